@@ -1,0 +1,68 @@
+"""Moondream 2: the model as a set of functions over plain weights, ready for any KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import region, text, vision
+from .config import MoondreamConfig
+from .weights import MoondreamWeights, load_weights
+
+
+class Moondream:
+    def __init__(self, config: MoondreamConfig, weights: MoondreamWeights, tokenizer=None):
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.device = weights.text.wte.device
+        self.dtype = weights.text.wte.dtype
+        self.rope = text.rope_table(config.text, self.device)
+
+    @classmethod
+    def from_checkpoint(cls, folder: str | Path, dtype=torch.float32, device="cpu") -> "Moondream":
+        """A folder with config.json (optional: official sizes), weights, and tokenizer.json (optional)."""
+        from .tokenizer import load_tokenizer
+
+        folder = Path(folder)
+        config_path = folder / "config.json" if folder.is_dir() else folder.with_name("config.json")
+        config = MoondreamConfig.from_file(config_path) if config_path.exists() else MoondreamConfig()
+        weights = load_weights(folder, config, dtype=dtype, device=device)
+        tokenizer_dir = folder if folder.is_dir() else folder.parent
+        return cls(config, weights, load_tokenizer(tokenizer_dir))
+
+    # --- vision ---
+    def encode_image(self, image: np.ndarray) -> torch.Tensor:
+        """HxWx3 uint8 pixels -> [729, dim] image embedding."""
+        return vision.encode_image(image, self.weights.vision, self.config.vision)
+
+    def image_prefix(self, image_embedding: torch.Tensor) -> torch.Tensor:
+        """BOS followed by the image: the 730 inputs that attend to each other bidirectionally."""
+        bos = self.embed_tokens([self.config.tokenizer.bos_id])
+        return torch.cat([bos, image_embedding.to(self.dtype)], dim=0)
+
+    # --- text ---
+    def embed_tokens(self, ids) -> torch.Tensor:
+        return text.embed_tokens(torch.as_tensor(ids, device=self.device, dtype=torch.long), self.weights.text)
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, attention: text.Attention) -> torch.Tensor:
+        return text.decode(inputs, positions, self.weights.text, self.config.text, self.rope, attention)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return text.lm_head(hidden, self.weights.text).float()
+
+    # --- region heads ---
+    def coordinate(self, hidden: torch.Tensor) -> torch.Tensor:
+        return region.coordinate_from_logits(region.decode_coordinate(hidden, self.weights.region))
+
+    def coordinate_embedding(self, coord: torch.Tensor) -> torch.Tensor:
+        return region.encode_coordinate(coord.reshape(1).to(self.dtype), self.weights.region)
+
+    def size(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[dim] -> float32 [2] (width, height) as a fraction of the image."""
+        return region.size_from_logits(region.decode_size(hidden, self.weights.region))
+
+    def size_embedding(self, size: torch.Tensor) -> torch.Tensor:
+        return region.encode_size(size.reshape(2).to(self.dtype), self.weights.region)

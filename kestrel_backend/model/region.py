@@ -1,0 +1,47 @@
+"""Region heads: coordinates and sizes in and out of the text model's hidden space (point/detect)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .layers import linear, mlp
+from .weights import RegionWeights
+
+
+def _fourier(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    f = 2 * math.pi * x @ freqs
+    return torch.cat([f.cos(), f.sin()], dim=-1)
+
+
+def encode_coordinate(coord: torch.Tensor, w: RegionWeights) -> torch.Tensor:
+    """[..., 1] coordinate in [0, 1] -> [..., dim] embedding."""
+    return linear(_fourier(coord, w.coord_features), w.coord_encoder)
+
+
+def decode_coordinate(hidden: torch.Tensor, w: RegionWeights) -> torch.Tensor:
+    """[..., dim] -> [..., bins] logits over the coordinate bins."""
+    return mlp(hidden, w.coord_decoder)
+
+
+def encode_size(size: torch.Tensor, w: RegionWeights) -> torch.Tensor:
+    """[..., 2] (width, height) -> [..., dim] embedding."""
+    return linear(_fourier(size, w.size_features), w.size_encoder)
+
+
+def decode_size(hidden: torch.Tensor, w: RegionWeights) -> torch.Tensor:
+    """[..., dim] -> [..., 2, bins] logits for width and height on a log2 scale."""
+    out = mlp(hidden, w.size_decoder)
+    return out.view(*out.shape[:-1], 2, -1)
+
+
+def coordinate_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Bin b of n maps to b / n, in float32 (bf16 cannot hold every bin index)."""
+    return logits.argmax(dim=-1).float() / logits.shape[-1]
+
+
+def size_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Bin b of n maps to 2^(10 b / (n - 1) - 10): sizes from 1/1024 to 1 of the image side."""
+    bins = logits.argmax(dim=-1).float()
+    return torch.pow(2.0, bins / (logits.shape[-1] - 1) * 10.0 - 10.0)

@@ -1,0 +1,103 @@
+"""Text decoder: parallel attention + MLP blocks, partial rotary embeddings, LM head.
+
+Attention is pluggable: the decoder hands each layer's q, k, v for a flat list of tokens to an
+`Attention` object, which stores k/v in its cache and returns the attention output. The dense
+single-sequence cache below is the plain reference; the engine's paged cache implements the same.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .config import TextConfig
+from .layers import layer_norm, linear, mlp
+from .weights import TextWeights
+
+
+class Attention(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] for this step's tokens -> [T, H, D]."""
+
+
+def rope_table(config: TextConfig, device=None) -> torch.Tensor:
+    """cos/sin per position and frequency: [max_context, rope_dim/2, 2], float32."""
+    half = config.rope_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.rope_dim, 2, dtype=torch.float32)[:half] / config.rope_dim))
+    angles = torch.arange(config.max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).to(device)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]: rotate the first rope_dim dims. Input halves are (real, imag); output interleaves them."""
+    rot = table.shape[1] * 2
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    real, imag = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+    cos = table[positions, :, 0][:, None, :]
+    sin = table[positions, :, 1][:, None, :]
+    out = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1).flatten(-2)
+    return torch.cat([out.to(x.dtype), x_pass], dim=-1)
+
+
+def embed_tokens(ids: torch.Tensor, w: TextWeights) -> torch.Tensor:
+    return F.embedding(ids, w.wte)
+
+
+def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: TextConfig,
+           rope: torch.Tensor, attention: Attention) -> torch.Tensor:
+    """Run all blocks over x [T, dim] (tokens of one or many sequences) -> hidden [T, dim]."""
+    n = x.shape[0]
+    hd = config.head_dim
+    q_dim, kv_dim = config.n_heads * hd, config.n_kv_heads * hd
+    for i, block in enumerate(w.blocks):
+        h = layer_norm(x, block.ln)
+        q, k, v = linear(h, block.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = apply_rope(q.view(n, config.n_heads, hd), rope, positions)
+        k = apply_rope(k.view(n, config.n_kv_heads, hd), rope, positions)
+        out = attention(i, q, k, v.view(n, config.n_kv_heads, hd))
+        x = x + linear(out.reshape(n, q_dim), block.proj) + mlp(h, block.mlp)
+    return x
+
+
+def lm_head(hidden: torch.Tensor, w: TextWeights) -> torch.Tensor:
+    return linear(layer_norm(hidden, w.post_ln), w.lm_head)
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """True where a query may see a key: causal, except the image prefix sees itself bidirectionally."""
+    causal = k_pos[None, :] <= q_pos[:, None]
+    prefix = (q_pos[:, None] < prefix_len) & (k_pos[None, :] < prefix_len)
+    return causal | prefix
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D], k/v [S, Hkv, D], mask [T, S] -> [T, H, D] (grouped-query aware)."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
+
+
+class DenseCache:
+    """Contiguous K/V for one sequence: the simple reference path (parity, CLI, tests)."""
+
+    def __init__(self, config: TextConfig, device, dtype, prefix_len: int):
+        shape = (config.n_layers, config.max_context, config.n_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.prefix_len = prefix_len
+        self.positions: torch.Tensor | None = None
+        self.length = 0
+
+    def set_positions(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+
+    def __call__(self, layer: int, q, k, v):
+        pos = self.positions
+        self.k[layer, pos] = k
+        self.v[layer, pos] = v
+        end = int(pos[-1]) + 1
+        keys = torch.arange(end, device=q.device)
+        return masked_attention(q, self.k[layer, :end], self.v[layer, :end],
+                                attention_mask(pos, keys, self.prefix_len))

@@ -1,0 +1,307 @@
+"""Checkpoint loading: safetensors or .pt, in both official Moondream 2 tensor-name layouts.
+
+Current layout: model.vision.blocks.N.*, model.text.blocks.N.*, model.region.*
+Legacy layout:  vision_encoder.encoder.model.visual.*, text_model.transformer.h.N.*, region_model.*
+Both are normalised to the current names (without "model."), checked against the shapes the
+config implies, and turned into plain tensors grouped in small dataclasses.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import MoondreamConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is unreadable or its tensors do not match the config."""
+
+
+@dataclass
+class Linear:
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+@dataclass
+class LayerNorm:
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+@dataclass
+class MLP:
+    fc1: Linear
+    fc2: Linear
+
+
+@dataclass
+class VisionBlock:
+    ln1: LayerNorm
+    qkv: Linear
+    proj: Linear
+    ln2: LayerNorm
+    mlp: MLP
+
+
+@dataclass
+class VisionWeights:
+    patch_emb: Linear
+    pos_emb: torch.Tensor
+    blocks: list[VisionBlock]
+    post_ln: LayerNorm
+    proj_mlp: MLP
+
+
+@dataclass
+class TextBlock:
+    ln: LayerNorm
+    qkv: Linear
+    proj: Linear
+    mlp: MLP
+
+
+@dataclass
+class TextWeights:
+    wte: torch.Tensor
+    blocks: list[TextBlock]
+    post_ln: LayerNorm
+    lm_head: Linear
+
+
+@dataclass
+class RegionWeights:
+    coord_features: torch.Tensor
+    coord_encoder: Linear
+    coord_decoder: MLP
+    size_features: torch.Tensor
+    size_encoder: Linear
+    size_decoder: MLP
+
+
+@dataclass
+class MoondreamWeights:
+    vision: VisionWeights
+    text: TextWeights
+    region: RegionWeights
+
+
+def expected_shapes(config: MoondreamConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint in the current layout, with the shape the config implies."""
+    t, v, r = config.text, config.vision, config.region
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def linear(name, n_in, n_out):
+        shapes[f"{name}.weight"] = (n_out, n_in)
+        shapes[f"{name}.bias"] = (n_out,)
+
+    def norm(name, n):
+        shapes[f"{name}.weight"] = (n,)
+        shapes[f"{name}.bias"] = (n,)
+
+    patch_dim = v.enc_patch_size * v.enc_patch_size * v.in_channels
+    linear("vision.patch_emb", patch_dim, v.enc_dim)
+    shapes["vision.pos_emb"] = (1, v.grid * v.grid, v.enc_dim)
+    for i in range(v.enc_n_layers):
+        b = f"vision.blocks.{i}"
+        norm(f"{b}.ln1", v.enc_dim)
+        linear(f"{b}.attn.qkv", v.enc_dim, 3 * v.enc_dim)
+        linear(f"{b}.attn.proj", v.enc_dim, v.enc_dim)
+        norm(f"{b}.ln2", v.enc_dim)
+        linear(f"{b}.mlp.fc1", v.enc_dim, v.enc_ff_dim)
+        linear(f"{b}.mlp.fc2", v.enc_ff_dim, v.enc_dim)
+    norm("vision.post_ln", v.enc_dim)
+    linear("vision.proj_mlp.fc1", 2 * v.enc_dim, v.proj_inner_dim)
+    linear("vision.proj_mlp.fc2", v.proj_inner_dim, v.proj_out_dim)
+
+    shapes["text.wte"] = (t.vocab_size, t.dim)
+    qkv_dim = t.dim + 2 * t.n_kv_heads * t.head_dim
+    for i in range(t.n_layers):
+        b = f"text.blocks.{i}"
+        norm(f"{b}.ln", t.dim)
+        linear(f"{b}.attn.qkv", t.dim, qkv_dim)
+        linear(f"{b}.attn.proj", t.dim, t.dim)
+        linear(f"{b}.mlp.fc1", t.dim, t.ff_dim)
+        linear(f"{b}.mlp.fc2", t.ff_dim, t.dim)
+    norm("text.post_ln", t.dim)
+    linear("text.lm_head", t.dim, t.vocab_size)
+
+    shapes["region.coord_features"] = (1, r.coord_feat_dim // 2)
+    linear("region.coord_encoder", r.coord_feat_dim, r.dim)
+    linear("region.coord_decoder.fc1", r.dim, r.inner_dim)
+    linear("region.coord_decoder.fc2", r.inner_dim, r.coord_out_dim)
+    shapes["region.size_features"] = (2, r.size_feat_dim // 2)
+    linear("region.size_encoder", r.size_feat_dim, r.dim)
+    linear("region.size_decoder.fc1", r.dim, r.inner_dim)
+    linear("region.size_decoder.fc2", r.inner_dim, r.size_out_dim)
+    return shapes
+
+
+_LEGACY_VISUAL = "vision_encoder.encoder.model.visual."
+# Legacy prefix -> current prefix, for the tensors outside the repeated blocks.
+_LEGACY_PREFIXES = [
+    (_LEGACY_VISUAL + "patch_embed.linear.", "vision.patch_emb."),
+    (_LEGACY_VISUAL + "pos_embed", "vision.pos_emb"),
+    (_LEGACY_VISUAL + "norm.", "vision.post_ln."),
+    ("vision_encoder.projection.mlp.", "vision.proj_mlp."),
+    ("text_model.transformer.embd.wte.weight", "text.wte"),
+    ("text_model.lm_head.ln.", "text.post_ln."),
+    ("text_model.lm_head.linear.", "text.lm_head."),
+    ("region_model.coordinate_features.weight", "region.coord_features"),
+    ("region_model.size_features.weight", "region.size_features"),
+    ("region_model.coordinate_encoder.", "region.coord_encoder."),
+    ("region_model.coordinate_decoder.", "region.coord_decoder."),
+    ("region_model.size_encoder.", "region.size_encoder."),
+    ("region_model.size_decoder.", "region.size_decoder."),
+]
+_LEGACY_VISION_BLOCK = re.compile(re.escape(_LEGACY_VISUAL) + r"blocks\.(\d+)\.(.+)")
+_LEGACY_TEXT_BLOCK = re.compile(r"text_model\.transformer\.h\.(\d+)\.(.+)")
+_LEGACY_BLOCK_PARTS = {"norm1.": "ln1.", "norm2.": "ln2.", "mixer.Wqkv.": "attn.qkv.", "mixer.out_proj.": "attn.proj."}
+
+
+def _legacy_to_current(name: str) -> str | None:
+    for pattern, prefix in [(_LEGACY_VISION_BLOCK, "vision"), (_LEGACY_TEXT_BLOCK, "text")]:
+        m = pattern.fullmatch(name)
+        if m:
+            index, rest = m.groups()
+            for old, new in _LEGACY_BLOCK_PARTS.items():
+                if rest.startswith(old):
+                    rest = new + rest[len(old):]
+            return f"{prefix}.blocks.{index}.{rest}"
+    for old, new in _LEGACY_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None
+
+
+def is_legacy_layout(names) -> bool:
+    return any(n.startswith(("vision_encoder.", "text_model.", "region_model.")) for n in names)
+
+
+def normalise_names(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Map either official layout onto the current names (no "model." prefix)."""
+    tensors = {k.replace("._orig_mod", ""): v for k, v in tensors.items()}
+    if not is_legacy_layout(tensors):
+        return {k.removeprefix("model."): v for k, v in tensors.items()}
+    out = {}
+    for name, tensor in tensors.items():
+        current = _legacy_to_current(name)
+        if current is None:
+            raise CheckpointError(f"{source}: unexpected tensor '{name}' in legacy-layout checkpoint")
+        if current.endswith("_features"):
+            tensor = tensor.T  # legacy stores the Fourier frequency matrices transposed
+        out[current] = tensor
+    return out
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The weight files of a checkpoint: a file, or every *.safetensors (else *.pt) in a folder."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.pt"))
+        if files:
+            return files
+        raise CheckpointError(f"{path}: no *.safetensors or *.pt weight file in this folder")
+    raise CheckpointError(f"{path}: checkpoint path does not exist")
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        if path.suffix in (".pt", ".pth", ".bin"):
+            tensors = torch.load(str(path), map_location="cpu", weights_only=True)
+            if not isinstance(tensors, dict):
+                raise CheckpointError(f"{path}: expected a dict of tensors")
+            return tensors
+    except CheckpointError:
+        raise
+    except Exception as e:  # corrupt or foreign files: name the file
+        raise CheckpointError(f"{path}: cannot read checkpoint file ({type(e).__name__}: {e})") from e
+    raise CheckpointError(f"{path}: unsupported weight file type '{path.suffix}' (use .safetensors or .pt)")
+
+
+def load_state(path: str | Path, config: MoondreamConfig) -> dict[str, torch.Tensor]:
+    """Read, normalise and validate every tensor; errors name the tensor and the file."""
+    state: dict[str, torch.Tensor] = {}
+    files = checkpoint_files(path)
+    for file in files:
+        for name, tensor in normalise_names(read_tensors(file), str(file)).items():
+            state[name] = tensor
+    source = ", ".join(str(f) for f in files)
+    expected = expected_shapes(config)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor '{missing[0]}'" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = sorted(set(state) - set(expected))
+    if extra:
+        raise CheckpointError(f"{source}: unexpected tensor '{extra[0]}'" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise CheckpointError(f"{source}: tensor '{name}' has shape {tuple(state[name].shape)}, expected {shape}")
+    return state
+
+
+def build_weights(state: dict[str, torch.Tensor], config: MoondreamConfig,
+                  dtype: torch.dtype, device: str | torch.device) -> MoondreamWeights:
+    def t(name):
+        return state[name].to(device=device, dtype=dtype).contiguous()
+
+    def linear(name):
+        return Linear(t(f"{name}.weight"), t(f"{name}.bias"))
+
+    def norm(name):
+        return LayerNorm(t(f"{name}.weight"), t(f"{name}.bias"))
+
+    def mlp(name):
+        return MLP(linear(f"{name}.fc1"), linear(f"{name}.fc2"))
+
+    vision = VisionWeights(
+        patch_emb=linear("vision.patch_emb"),
+        pos_emb=t("vision.pos_emb"),
+        blocks=[VisionBlock(norm(f"vision.blocks.{i}.ln1"), linear(f"vision.blocks.{i}.attn.qkv"),
+                            linear(f"vision.blocks.{i}.attn.proj"), norm(f"vision.blocks.{i}.ln2"),
+                            mlp(f"vision.blocks.{i}.mlp")) for i in range(config.vision.enc_n_layers)],
+        post_ln=norm("vision.post_ln"),
+        proj_mlp=mlp("vision.proj_mlp"),
+    )
+    text = TextWeights(
+        wte=t("text.wte"),
+        blocks=[TextBlock(norm(f"text.blocks.{i}.ln"), linear(f"text.blocks.{i}.attn.qkv"),
+                          linear(f"text.blocks.{i}.attn.proj"), mlp(f"text.blocks.{i}.mlp"))
+                for i in range(config.text.n_layers)],
+        post_ln=norm("text.post_ln"),
+        lm_head=linear("text.lm_head"),
+    )
+    region = RegionWeights(
+        coord_features=t("region.coord_features"), coord_encoder=linear("region.coord_encoder"),
+        coord_decoder=mlp("region.coord_decoder"), size_features=t("region.size_features"),
+        size_encoder=linear("region.size_encoder"), size_decoder=mlp("region.size_decoder"),
+    )
+    return MoondreamWeights(vision, text, region)
+
+
+def load_weights(path: str | Path, config: MoondreamConfig, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> MoondreamWeights:
+    return build_weights(load_state(path, config), config, dtype, device)
+
+
+def random_weights(config: MoondreamConfig, dtype: torch.dtype = torch.bfloat16,
+                   device: str | torch.device = "cpu", seed: int = 0) -> MoondreamWeights:
+    """Random weights of the right shapes (for speed tests and smoke tests, never for answers)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, shape in expected_shapes(config).items():
+        scale = 1.0 / (shape[-1] ** 0.5) if len(shape) == 2 and name.endswith("weight") else 0.02
+        state[name] = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(scale).to(dtype)
+        if re.search(r"(ln\d?|post_ln)\.weight$", name):
+            state[name].fill_(1.0)
+    return build_weights(state, config, dtype, device)

@@ -1,0 +1,160 @@
+"""Per-request decode state machines.
+
+Every model step consumes one input per sequence (a token id or an embedding) and yields that
+position's logits and hidden state. A Generation looks at them and says what to feed next, or
+None when it is done. The same objects run alone (single.py) or inside the engine's batch, so
+heterogeneous skills share one decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.config import TokenizerConfig
+from .sampling import sample
+from .settings import Settings
+
+NextInput = int | torch.Tensor | None
+
+
+@dataclass
+class Prompt:
+    """What a request prefills: an optional image embedding (after BOS) then token ids."""
+
+    token_ids: list[int]
+    image_embedding: torch.Tensor | None = None
+
+
+class Generation:
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def on_output(self, logits: torch.Tensor, hidden: torch.Tensor) -> NextInput:
+        raise NotImplementedError
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+
+
+def _generator(settings: Settings) -> torch.Generator | None:
+    if settings.temperature == 0:
+        return None
+    g = torch.Generator()
+    if settings.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(settings.seed)
+    return g
+
+
+class TextGeneration(Generation):
+    """Answer or caption text: stop at EOS or max_tokens; the answer marker is banned after the first token."""
+
+    def __init__(self, tok: TokenizerConfig, settings: Settings):
+        self.tok, self.settings = tok, settings
+        self.tokens: list[int] = []
+        self._first = True
+        self._gen = _generator(settings)
+
+    def on_output(self, logits, hidden) -> NextInput:
+        if not self._first:
+            logits[self.tok.answer_id] = float("-inf")
+        self._first = False
+        token = sample(logits, self.settings.temperature, self.settings.top_p, self._gen)
+        if token == self.tok.eos_id:
+            self._finish("stop")
+            return None
+        self.tokens.append(token)
+        if len(self.tokens) >= self.settings.max_tokens:
+            self._finish("length")
+            return None
+        return token
+
+
+@dataclass
+class Grounding:
+    start_token: int
+    points: list[tuple[float, float]] = field(default_factory=list)
+
+
+class ReasoningThenAnswer(Generation):
+    """Query with a reasoning trace: think until the answer marker (coords grounded), then answer."""
+
+    def __init__(self, tok: TokenizerConfig, settings: Settings, model):
+        self.tok, self.settings, self.model = tok, settings, model
+        self.reasoning_tokens: list[int] = []
+        self.chunks: list[list[int]] = [[]]  # reasoning split at grounding markers
+        self.coords: list[list[float]] = [[]]
+        self.answer: TextGeneration | None = None
+        self._first = True
+        self._gen = _generator(settings)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.answer.tokens if self.answer else []
+
+    def on_output(self, logits, hidden) -> NextInput:
+        if self.answer is not None:
+            nxt = self.answer.on_output(logits, hidden)
+            self.finish_reason = self.answer.finish_reason
+            return nxt
+        if not self._first:
+            logits[self.tok.eos_id] = float("-inf")
+            logits[self.tok.size_id] = float("-inf")
+        self._first = False
+        token = sample(logits, self.settings.temperature, self.settings.top_p, self._gen)
+        if token == self.tok.answer_id or len(self.reasoning_tokens) >= self.settings.max_tokens:
+            self.answer = TextGeneration(self.tok, self.settings)
+            return self.tok.templates["query"]["suffix"][0]
+        if token in (self.tok.start_ground_points_id, self.tok.end_ground_id):
+            self.chunks.append([])
+            self.coords.append([])
+        self.reasoning_tokens.append(token)
+        self.chunks[-1].append(token)
+        if token == self.tok.coord_id:
+            coord = self.model.coordinate(hidden)
+            self.coords[-1].append(float(coord))
+            return self.model.coordinate_embedding(coord)
+        return token
+
+
+class RegionGeneration(Generation):
+    """Point (x, y) or detect (x, y, w, h): each object decodes x, then y, then (detect) size."""
+
+    def __init__(self, tok: TokenizerConfig, settings: Settings, model, with_size: bool):
+        self.tok, self.model, self.with_size = tok, model, with_size
+        self.max_objects = settings.max_objects
+        self.objects: list[dict] = []
+        self._state = "token"
+        self._x = self._y = None
+
+    def on_output(self, logits, hidden) -> NextInput:
+        m = self.model
+        if self._state == "token":
+            if int(torch.argmax(logits)) == self.tok.eos_id:
+                self._finish("stop")
+                return None
+            if len(self.objects) >= self.max_objects:
+                self._finish("length")
+                return None
+            self._x = m.coordinate(hidden)
+            self._state = "y"
+            return m.coordinate_embedding(self._x)
+        if self._state == "y":
+            self._y = m.coordinate(hidden)
+            if self.with_size:
+                self._state = "size"
+            else:
+                self.objects.append({"x": float(self._x), "y": float(self._y)})
+                self._state = "token"
+            return m.coordinate_embedding(self._y)
+        size = m.size(hidden)
+        x, y, w, h = float(self._x), float(self._y), float(size[0]), float(size[1])
+        self.objects.append({"x_min": x - w / 2, "y_min": y - h / 2, "x_max": x + w / 2, "y_max": y + h / 2})
+        self._state = "token"
+        return m.size_embedding(size)

@@ -1,0 +1,58 @@
+"""Per-request sampling settings, validated with messages that name the bad key."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_TEMPERATURE = 0.2
+DEFAULT_TOP_P = 0.9
+DEFAULT_MAX_TOKENS = 768
+DEFAULT_MAX_OBJECTS = 150
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_objects: int = DEFAULT_MAX_OBJECTS
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, values: dict | None, max_tokens_limit: int = 2048, max_objects_limit: int = 150) -> "Settings":
+        values = dict(values or {})
+        unknown = sorted(set(values) - {"temperature", "top_p", "max_tokens", "max_objects", "seed"})
+        if unknown:
+            raise SettingsError(f"SETTINGS: unknown key(s) {unknown}; allowed: temperature, top_p, max_tokens, max_objects, seed")
+        s = cls(
+            temperature=_number(values, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0),
+            top_p=_number(values, "top_p", DEFAULT_TOP_P, 0.0, 1.0, low_open=True),
+            max_tokens=_integer(values, "max_tokens", DEFAULT_MAX_TOKENS, 1, max_tokens_limit),
+            max_objects=_integer(values, "max_objects", min(DEFAULT_MAX_OBJECTS, max_objects_limit), 1, max_objects_limit),
+            seed=None if values.get("seed") is None else _integer(values, "seed", 0, 0, 2**63 - 1),
+        )
+        return s
+
+
+def _number(values, key, default, low, high, low_open=False) -> float:
+    v = values.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise SettingsError(f"SETTINGS: {key} must be a finite number, got {v!r}")
+    if v < low or v > high or (low_open and v == low):
+        side = "(" if low_open else "["
+        raise SettingsError(f"SETTINGS: {key} must be in {side}{low}, {high}], got {v}")
+    return float(v)
+
+
+def _integer(values, key, default, low, high) -> int:
+    v = values.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SettingsError(f"SETTINGS: {key} must be an integer, got {v!r}")
+    if v < low or v > high:
+        raise SettingsError(f"SETTINGS: {key} must be between {low} and {high}, got {v}")
+    return v

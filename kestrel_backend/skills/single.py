@@ -1,0 +1,38 @@
+"""Run one request alone on a dense KV cache: the simple path used by parity checks and the CLI."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.moondream import Moondream
+from ..model.text import DenseCache
+from .generation import Generation, Prompt
+
+
+@torch.inference_mode()
+def run_single(model: Moondream, prompt: Prompt, generation: Generation) -> torch.Tensor:
+    """Drive `generation` to the end; returns the first-step logits (prefill output)."""
+    inputs = model.embed_tokens(prompt.token_ids)
+    prefix_len = 0
+    if prompt.image_embedding is not None:
+        prefix = model.image_prefix(prompt.image_embedding)
+        prefix_len = prefix.shape[0]
+        inputs = torch.cat([prefix, inputs], dim=0)
+    cache = DenseCache(model.config.text, model.device, model.dtype, prefix_len)
+    positions = torch.arange(inputs.shape[0], device=model.device)
+    first_logits = None
+    while True:
+        cache.set_positions(positions)
+        hidden = model.forward(inputs, positions, cache)[-1]
+        logits = model.logits(hidden)
+        if first_logits is None:
+            first_logits = logits.clone()
+        nxt = generation.on_output(logits, hidden)
+        if nxt is None:
+            return first_logits
+        pos = int(positions[-1]) + 1
+        if pos >= model.config.text.max_context:
+            generation._finish("length")
+            return first_logits
+        positions = torch.tensor([pos], device=model.device)
+        inputs = model.embed_tokens([nxt]) if isinstance(nxt, int) else nxt.reshape(1, -1)
