@@ -7,10 +7,12 @@ from dataclasses import dataclass
 import numpy as np
 import pyvips
 
+from .errors import InvalidRequest
+
 ALLOWED_LOADERS = {"jpegload_buffer": "JPEG", "pngload_buffer": "PNG", "webpload_buffer": "WebP"}
 
 
-class ImageError(ValueError):
+class ImageError(InvalidRequest):
     """The IMAGE input cannot be used; the message says why."""
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..errors import InvalidRequest
+
 DEFAULT_TEMPERATURE = 0.2
 DEFAULT_TOP_P = 0.9
 DEFAULT_MAX_TOKENS = 768
 DEFAULT_MAX_OBJECTS = 150
 
 
-class SettingsError(ValueError):
+class SettingsError(InvalidRequest):
     pass
 
 

@@ -1,0 +1,107 @@
+"""RuntimeConfig: engine settings from env vars and config.pbtxt parameters, validated at start.
+
+Env vars win over parameters. Every error names the variable, so a bad value fails the model
+load with a message an operator can act on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+TINY_CHECKPOINT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    model_path: str = ""  # local checkpoint folder or file
+    model: str = ""  # hub name, e.g. moondream2 (downloaded through huggingface_hub)
+    revision: str = ""
+    device: str = ""  # cuda or cpu; empty: cuda when available
+    dtype: str = ""  # empty: bfloat16 on cuda, float32 on cpu
+    max_batch_size: int = 32
+    max_queue: int = 256
+    page_size: int = 16
+    kv_pages: int = 0  # 0: enough for max_batch_size full contexts
+    max_context: int = 0  # 0: the model's context
+    image_cache_size: int = 64
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 50_000_000
+    max_objects: int = 150
+
+    ENV = {
+        "model_path": "KESTREL_MODEL_PATH", "model": "KESTREL_MODEL", "revision": "KESTREL_REVISION",
+        "device": "KESTREL_DEVICE", "dtype": "KESTREL_DTYPE", "max_batch_size": "KESTREL_MAX_BATCH_SIZE",
+        "max_queue": "KESTREL_MAX_QUEUE", "page_size": "KESTREL_PAGE_SIZE", "kv_pages": "KESTREL_KV_PAGES",
+        "max_context": "KESTREL_MAX_CONTEXT", "image_cache_size": "KESTREL_IMAGE_CACHE_SIZE",
+        "max_image_bytes": "KESTREL_MAX_IMAGE_BYTES", "max_image_pixels": "KESTREL_MAX_IMAGE_PIXELS",
+        "max_objects": "KESTREL_MAX_OBJECTS",
+    }
+
+    @classmethod
+    def from_sources(cls, env: dict | None = None, parameters: dict | None = None) -> "RuntimeConfig":
+        """parameters: config.pbtxt `parameters` keyed by the same names as the env vars."""
+        env = os.environ if env is None else env
+        parameters = parameters or {}
+        values = {}
+        for f in fields(cls):
+            var = cls.ENV[f.name]
+            raw = env.get(var) or parameters.get(var)
+            if raw in (None, ""):
+                continue
+            if f.type == "int":
+                try:
+                    values[f.name] = int(raw)
+                except ValueError:
+                    raise ConfigError(f"{var} must be an integer, got {raw!r}") from None
+            else:
+                values[f.name] = str(raw)
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        positive = ["max_batch_size", "max_queue", "page_size", "image_cache_size", "max_image_bytes",
+                    "max_image_pixels", "max_objects"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{self.ENV[name]} must be at least 1, got {getattr(self, name)}")
+        for name in ("kv_pages", "max_context"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{self.ENV[name]} must be 0 (automatic) or positive, got {getattr(self, name)}")
+        if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"KESTREL_DEVICE must be cuda or cpu, got {self.device!r}")
+        if self.dtype not in ("",) + DTYPES:
+            raise ConfigError(f"KESTREL_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.model_path and not Path(self.model_path).exists():
+            raise ConfigError(f"KESTREL_MODEL_PATH {self.model_path!r} does not exist")
+
+    @property
+    def uses_tiny_checkpoint(self) -> bool:
+        return not self.model_path and not self.model
+
+    def checkpoint(self) -> Path:
+        if self.model_path:
+            return Path(self.model_path)
+        if self.model:
+            from .model.hub import resolve_checkpoint
+
+            return resolve_checkpoint(self.model, self.revision or None)
+        return TINY_CHECKPOINT
+
+    def torch_device(self) -> str:
+        import torch
+
+        return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def torch_dtype(self):
+        import torch
+
+        name = self.dtype or ("bfloat16" if self.torch_device().startswith("cuda") else "float32")
+        return getattr(torch, name)

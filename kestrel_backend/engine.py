@@ -1,0 +1,223 @@
+"""InferenceEngine: the public async API (query, caption, point, detect) over the engine thread.
+
+`InferenceEngine.create(config)` loads the model and starts ONE thread running its own asyncio
+loop; that loop owns the device and runs the scheduler. The API coroutines may be awaited from any
+event loop on any thread: work hops to the engine loop, results hop back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .config import RuntimeConfig
+from .errors import EngineError, EngineOverloaded, InvalidRequest, RequestCancelled
+from .images import ImageLimits, decode_image
+from .model.moondream import Moondream
+from .model.tokenizer import IncrementalDetokenizer
+from .runtime.image_cache import ImageCache, image_key
+from .runtime.kv_cache import PagedKVCache
+from .runtime.scheduler import Scheduler
+from .runtime.sequence import Delivery, EngineResult, Sequence, StreamChunk
+from .skills.generation import Generation, ReasoningThenAnswer, RegionGeneration, TextGeneration
+from .skills.prompts import caption_prompt, query_prompt, region_prompt
+from .skills.settings import Settings
+
+log = logging.getLogger("kestrel.engine")
+
+__all__ = ["InferenceEngine", "EngineResult", "EngineStream", "StreamChunk", "EngineOverloaded",
+           "EngineError", "RequestCancelled", "InvalidRequest"]
+
+
+class EngineStream:
+    """Async iterator of StreamChunk (str); joined they equal the final text. `await result()`."""
+
+    def __init__(self, delivery: Delivery):
+        self._delivery = delivery
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        item = await self._delivery.chunks.get()
+        if item is None:
+            self._delivery.chunks.put_nowait(None)  # stay exhausted
+            raise StopAsyncIteration
+        return item
+
+    async def result(self) -> EngineResult:
+        return await self._delivery.result
+
+    def cancel(self) -> None:
+        self._delivery.cancelled.set()
+
+
+class InferenceEngine:
+    def __init__(self, config: RuntimeConfig, model: Moondream):
+        self.config = config
+        self.model = model
+        text = model.config.text
+        self.max_context = min(config.max_context or text.max_context, text.max_context)
+        pages_per_seq = -(-self.max_context // config.page_size)
+        num_pages = config.kv_pages or pages_per_seq * config.max_batch_size
+        self.kv = PagedKVCache(text, num_pages, config.page_size, model.device, model.dtype)
+        self.images = ImageCache(config.image_cache_size)
+        self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
+        self._ids = itertools.count(1)
+        self._decoders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kestrel-decode")
+        self._admitting = 0
+        self.loop = asyncio.new_event_loop()
+        self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size)
+        self._thread = threading.Thread(target=self._run_loop, name="kestrel-engine", daemon=True)
+        self._started = threading.Event()
+        self._thread.start()
+        self._started.wait()
+
+    @classmethod
+    def create(cls, config: RuntimeConfig) -> "InferenceEngine":
+        path = config.checkpoint()
+        if config.uses_tiny_checkpoint:
+            log.warning("NO WEIGHTS CONFIGURED: serving the tiny RANDOM-WEIGHT test checkpoint %s; answers are noise. "
+                        "Set KESTREL_MODEL=moondream2 or KESTREL_MODEL_PATH for a real model.", path)
+        model = Moondream.from_checkpoint(path, dtype=config.torch_dtype(), device=config.torch_device())
+        if model.tokenizer is None:
+            raise ValueError(f"{path}: no tokenizer.json next to the weights")
+        return cls(config, model)
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self._task = self.loop.create_task(self.scheduler.run())
+        self.loop.call_soon(self._started.set)
+        self.loop.run_until_complete(self._task)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; requests still in flight end with EngineError."""
+        if not self._thread.is_alive():
+            return
+        self.loop.call_soon_threadsafe(self.scheduler.stop)
+        self._thread.join(timeout)
+        self._decoders.shutdown(wait=False, cancel_futures=True)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    # --- counts for metrics ---
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"pages_total": self.kv.num_pages, "pages_used": self.kv.pages_used, "pages_free": self.kv.pages_free,
+                "queue_depth": len(s.waiting) + self._admitting, "running": len(s.running),
+                "image_cache_hits": self.images.hits, "image_cache_misses": self.images.misses}
+
+    # --- public API ---
+    async def query(self, image: bytes | None = None, question: str = "", reasoning: bool = False,
+                    stream: bool = False, settings: dict | None = None):
+        if not isinstance(question, str) or not question.strip():
+            raise InvalidRequest("QUESTION is required and must be non-empty text")
+        s = self._settings(settings)
+        ids = self.model.tokenizer.encode(question).ids
+        return await self._submit("query", image, ids, s, stream, reasoning=reasoning)
+
+    async def caption(self, image: bytes, length: str = "normal", stream: bool = False, settings: dict | None = None):
+        if length not in ("short", "normal", "long"):
+            raise InvalidRequest(f"LENGTH must be short, normal or long, got {length!r}")
+        return await self._submit("caption", self._need_image(image), caption_prompt(self.model.config.tokenizer, length),
+                                  self._settings(settings), stream)
+
+    async def point(self, image: bytes, object: str, settings: dict | None = None) -> EngineResult:
+        return await self._region("point", image, object, settings)
+
+    async def detect(self, image: bytes, object: str, settings: dict | None = None) -> EngineResult:
+        return await self._region("detect", image, object, settings)
+
+    async def submit_tokens(self, skill: str, image: bytes | None, ids: list[int], settings: dict | None = None,
+                            stream: bool = False, reasoning: bool = False):
+        """Token-level entry (parity and tests): ids are the question (query), the object (point/detect),
+        or the whole prompt (caption)."""
+        s = self._settings(settings)
+        if skill in ("point", "detect"):
+            ids = region_prompt(self.model.config.tokenizer, skill, ids)
+        return await self._submit(skill, image, ids, s, stream, reasoning=reasoning)
+
+    # --- internals ---
+    def _settings(self, settings: dict | None) -> Settings:
+        if settings is not None and not isinstance(settings, dict):
+            raise InvalidRequest("SETTINGS must be a JSON object")
+        return Settings.from_dict(settings, max_tokens_limit=self.max_context, max_objects_limit=self.config.max_objects)
+
+    @staticmethod
+    def _need_image(image) -> bytes:
+        if not image:
+            raise InvalidRequest("IMAGE is required for this skill")
+        return image
+
+    async def _region(self, skill, image, obj, settings) -> EngineResult:
+        if not isinstance(obj, str) or not obj.strip():
+            raise InvalidRequest("OBJECT is required and must be non-empty text")
+        ids = region_prompt(self.model.config.tokenizer, skill, self.model.tokenizer.encode(" " + obj).ids)
+        return await self._submit(skill, self._need_image(image), ids, self._settings(settings), False)
+
+    def _generation(self, skill: str, settings: Settings, reasoning: bool) -> Generation:
+        tok = self.model.config.tokenizer
+        if skill in ("point", "detect"):
+            return RegionGeneration(tok, settings, self.model, with_size=skill == "detect")
+        if reasoning:
+            return ReasoningThenAnswer(tok, settings, self.model)
+        return TextGeneration(tok, settings)
+
+    async def _submit(self, skill, image, ids, settings, stream, reasoning=False):
+        delivery = Delivery(asyncio.get_running_loop(), stream)
+        fut = asyncio.run_coroutine_threadsafe(
+            self._admit(skill, image, ids, settings, delivery, reasoning), self.loop)
+        try:
+            await asyncio.wrap_future(fut)
+            if stream:
+                return EngineStream(delivery)
+            return await delivery.result
+        except asyncio.CancelledError:
+            delivery.cancelled.set()  # the caller went away: drop the request at the next step
+            raise
+
+    async def _admit(self, skill, image, ids, settings, delivery, reasoning) -> None:
+        """Runs on the engine loop: bounded queue, image decode (off-thread), context check."""
+        if len(self.scheduler.waiting) + self._admitting >= self.config.max_queue:
+            raise EngineOverloaded(f"server overloaded: {self.config.max_queue} requests already queued; retry later")
+        self._admitting += 1
+        try:
+            key = pixels = None
+            if image is not None:
+                if not isinstance(image, (bytes, bytearray)):
+                    raise InvalidRequest("IMAGE must be encoded image bytes")
+                key = image_key(bytes(image))
+                if key not in self.images:
+                    pixels = await self.loop.run_in_executor(self._decoders, decode_image, bytes(image), self.image_limits)
+            tok = self.model.config.tokenizer
+            if skill == "query":
+                ids = query_prompt(tok, ids, key is not None, reasoning)
+            gen = self._generation(skill, settings, reasoning)
+            prefix = self.model.config.text.prefix_attn if key is not None else 0
+            prompt_len = prefix + len(ids)
+            if prompt_len >= self.max_context:
+                field = "QUESTION" if skill == "query" else "OBJECT" if skill in ("point", "detect") else "prompt"
+                raise InvalidRequest(f"{field} is too long: {prompt_len} tokens with the image, context is {self.max_context}")
+            capacity = min(self.max_context, prompt_len + _new_positions(skill, settings, reasoning))
+            if self.kv.pages_for(capacity) > self.kv.num_pages:
+                raise InvalidRequest(f"request needs {self.kv.pages_for(capacity)} KV pages, the cache has {self.kv.num_pages}")
+            detok = None if skill in ("point", "detect") else IncrementalDetokenizer(self.model.tokenizer)
+            seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, pixels=pixels,
+                           reasoning=reasoning, capacity=capacity, detok=detok)
+            self.scheduler.add(seq)
+        finally:
+            self._admitting -= 1
+
+
+def _new_positions(skill: str, settings: Settings, reasoning: bool) -> int:
+    """KV positions a request can write after its prompt (reserved up front: no preemption)."""
+    if skill == "point":
+        return 2 * settings.max_objects
+    if skill == "detect":
+        return 3 * settings.max_objects
+    return settings.max_tokens * (2 if reasoning else 1) + 1

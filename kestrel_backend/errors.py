@@ -1,0 +1,17 @@
+"""Errors a request can end with; the Triton adapter maps each to an error response."""
+
+
+class InvalidRequest(ValueError):
+    """The request itself is bad; the message names the input."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The admission queue is full: retry later."""
+
+
+class EngineError(RuntimeError):
+    """A request failed inside the engine (not the caller's fault)."""
+
+
+class RequestCancelled(RuntimeError):
+    """The caller cancelled the request (or went away)."""

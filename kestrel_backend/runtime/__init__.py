@@ -1,0 +1,1 @@
+"""The engine thread's machinery: KV pages, paged attention, image cache, scheduler."""

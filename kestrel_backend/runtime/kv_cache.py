@@ -1,0 +1,48 @@
+"""Paged KV cache: fixed-size pages, a free list, and a page table per sequence."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.config import TextConfig
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PagedKVCache:
+    def __init__(self, config: TextConfig, num_pages: int, page_size: int, device, dtype):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        shape = (config.n_layers, num_pages * page_size, config.n_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.tables: dict[int, list[int]] = {}
+
+    @property
+    def pages_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def allocate(self, seq_id: int, tokens: int) -> None:
+        """Give seq_id enough pages for `tokens` positions (all at once: no preemption later)."""
+        need = self.pages_for(tokens)
+        if need > len(self._free):
+            raise OutOfPages(f"need {need} KV pages, {len(self._free)} free")
+        self.tables[seq_id] = [self._free.pop() for _ in range(need)]
+
+    def free(self, seq_id: int) -> None:
+        self._free.extend(reversed(self.tables.pop(seq_id, [])))
+
+    def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
+        """Flat cache rows for these positions of a sequence."""
+        table = torch.tensor(self.tables[seq_id], device=positions.device)
+        return table[positions // self.page_size] * self.page_size + positions % self.page_size

@@ -1,0 +1,210 @@
+"""Continuous batching on the engine thread.
+
+Each step runs ONE forward pass over a flat token list: the whole prompt of every newly admitted
+sequence (prefill) plus one input of every running sequence (decode). Sequences join between steps
+and leave as soon as they finish, fail or are cancelled; their KV pages go back to the free list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+import torch
+
+from ..errors import EngineError, RequestCancelled
+from ..model.moondream import Moondream
+from ..skills.generation import ReasoningThenAnswer, RegionGeneration
+from .attention import SeqSlice, TorchPagedAttention
+from .image_cache import ImageCache
+from .kv_cache import PagedKVCache
+from .sequence import EngineResult, Sequence, StreamChunk
+
+log = logging.getLogger("kestrel.scheduler")
+
+
+class Scheduler:
+    def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int):
+        self.model = model
+        self.cache = cache
+        self.images = image_cache
+        self.max_batch_size = max_batch_size
+        self.attention = TorchPagedAttention(cache)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.steps = 0
+        self.fault_injector = None  # tests: a callable run inside each step
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        while not self._stopping:
+            if not self.waiting and not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self.step()
+            await asyncio.sleep(0)  # let submissions and deliveries run between steps
+        for seq in list(self.waiting) + self.running:
+            self._end(seq, error=EngineError("engine shut down"))
+        self.waiting.clear()
+        self.running.clear()
+
+    # --- one step ---
+    def step(self) -> None:
+        for seq in [s for s in list(self.waiting) + self.running if s.delivery.cancelled.is_set()]:
+            self._end(seq, error=RequestCancelled("request cancelled"))
+        new = self._admit()
+        batch = new + [s for s in self.running if s not in new]
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                if self.fault_injector:
+                    self.fault_injector(batch)
+                outputs = self._forward(new, batch)
+                elapsed_ms = (time.perf_counter() - t0) * 1000
+                for seq, (logits, hidden) in zip(batch, outputs):
+                    if seq in new:
+                        seq.prefill_ms = elapsed_ms
+                    self._advance(seq, logits, hidden)
+        except Exception as e:  # fail this step's requests only; the engine keeps serving
+            log.exception("engine step failed")
+            for seq in batch:
+                self._end(seq, error=EngineError(f"inference step failed: {type(e).__name__}: {e}"))
+        self.steps += 1
+
+    def _admit(self) -> list[Sequence]:
+        new = []
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if self.cache.pages_for(seq.capacity) > self.cache.pages_free:
+                break  # wait for pages; FIFO keeps big requests from starving
+            self.waiting.popleft()
+            try:
+                self._prepare_image(seq)
+            except Exception as e:
+                self._end(seq, error=EngineError(f"image encoding failed: {type(e).__name__}: {e}"))
+                continue
+            self.cache.allocate(seq.id, seq.capacity)
+            self.running.append(seq)
+            new.append(seq)
+        return new
+
+    def _prepare_image(self, seq: Sequence) -> None:
+        if seq.image_key is None:
+            return
+        emb = self.images.get(seq.image_key)
+        if emb is None:
+            with torch.inference_mode():
+                emb = self.model.encode_image(seq.pixels)
+            self.images.put(seq.image_key, emb)
+        seq.pixels = None
+        seq.prefix_len = emb.shape[0] + 1
+        seq.next_input = self.model.image_prefix(emb)
+
+    def _forward(self, new: list[Sequence], batch: list[Sequence]):
+        m = self.model
+        pieces, slices, start = [], [], 0
+        for seq in batch:
+            if seq in new:
+                x = m.embed_tokens(seq.token_ids)
+                if seq.prefix_len:
+                    x = torch.cat([seq.next_input, x], dim=0)
+            elif isinstance(seq.next_input, int):
+                x = m.embed_tokens([seq.next_input])
+            else:
+                x = seq.next_input.reshape(1, -1)
+            positions = torch.arange(seq.length, seq.length + x.shape[0], device=m.device)
+            slices.append(SeqSlice(seq.id, start, start + x.shape[0], positions, seq.prefix_len))
+            pieces.append(x)
+            start += x.shape[0]
+            seq.length += x.shape[0]
+        self.attention.plan(slices)
+        hidden = m.forward(torch.cat(pieces), torch.cat([s.positions for s in slices]), self.attention)
+        last = hidden[[s.end - 1 for s in slices]]
+        logits = m.logits(last)
+        return list(zip(logits, last))
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        if not seq.t_first:
+            seq.t_first = time.perf_counter()
+        gen = seq.generation
+        nxt = gen.on_output(logits, hidden)
+        self._stream(seq)
+        if nxt is None:
+            self._end(seq)
+        elif seq.length >= seq.capacity:
+            gen._finish("length")
+            self._end(seq)
+        else:
+            seq.next_input = nxt
+
+    def _stream(self, seq: Sequence) -> None:
+        if seq.detok is None:
+            return
+        tokens = seq.generation.tokens
+        while seq.streamed_tokens < len(tokens):
+            text = seq.detok.add(tokens[seq.streamed_tokens])
+            seq.streamed_tokens += 1
+            if text:
+                seq.delivery.chunk(StreamChunk(text, seq.streamed_tokens - 1))
+
+    # --- leaving ---
+    def _end(self, seq: Sequence, error: BaseException | None = None) -> None:
+        self.cache.free(seq.id)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if error is not None:
+            seq.delivery.fail(error)
+            return
+        last = None
+        if seq.detok is not None:
+            last = StreamChunk(seq.detok.flush(), max(len(seq.generation.tokens) - 1, 0))
+        seq.delivery.finish(self._result(seq), last)
+
+    def _result(self, seq: Sequence) -> EngineResult:
+        gen, now = seq.generation, time.perf_counter()
+        if isinstance(gen, RegionGeneration):
+            key = "objects" if gen.with_size else "points"
+            output = {key: [{k: min(1.0, max(0.0, v)) for k, v in obj.items()} for obj in gen.objects]}
+            n_out = len(gen.objects)
+        else:
+            text = seq.detok.text if seq.detok else ""
+            output = {"caption" if seq.skill == "caption" else "answer": text}
+            n_out = len(gen.tokens)
+            if isinstance(gen, ReasoningThenAnswer):
+                output["reasoning"] = self._reasoning(gen)
+                n_out += len(gen.reasoning_tokens)
+        metrics = {
+            "input_tokens": seq.input_tokens,
+            "output_tokens": n_out,
+            "prefill_time_ms": round(seq.prefill_ms, 3),
+            "decode_time_ms": round((now - seq.t_first) * 1000, 3),
+            "ttft_ms": round((seq.t_first - seq.t_submit) * 1000, 3),
+        }
+        return EngineResult(output, gen.finish_reason, metrics)
+
+    def _reasoning(self, gen: ReasoningThenAnswer) -> dict:
+        tok = self.model.tokenizer
+        texts = [tok.decode(chunk) for chunk in gen.chunks]
+        grounding, start = [], 0
+        for text, coords in zip(texts, gen.coords):
+            if len(coords) > 1:
+                points = [(coords[i], coords[i + 1]) for i in range(0, len(coords) - 1, 2)]
+                grounding.append({"start_idx": start, "end_idx": start + len(text), "points": points})
+            start += len(text)
+        return {"text": "".join(texts), "grounding": grounding}

@@ -1,0 +1,90 @@
+"""One request inside the engine: its prompt, decode state machine, pages and delivery channel."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..model.tokenizer import IncrementalDetokenizer
+from ..skills.generation import Generation
+
+
+class StreamChunk(str):
+    """A piece of streamed text; `token_index` is the index of the last output token it covers."""
+
+    token_index: int
+
+    def __new__(cls, text: str, token_index: int):
+        obj = super().__new__(cls, text)
+        obj.token_index = token_index
+        return obj
+
+
+@dataclass
+class EngineResult:
+    output: dict  # {"answer"} / {"caption"} / {"points"} / {"objects"} (+ {"reasoning"})
+    finish_reason: str  # stop | length
+    metrics: dict
+
+
+class Delivery:
+    """Thread-safe channel from the engine thread back to the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool):
+        self.loop = loop
+        self.stream = stream
+        self.chunks: asyncio.Queue = asyncio.Queue()
+        self.result: asyncio.Future = loop.create_future()
+        self.cancelled = threading.Event()
+
+    def _call(self, fn, *args):
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def chunk(self, chunk: StreamChunk) -> None:
+        if self.stream:
+            self._call(self.chunks.put_nowait, chunk)
+
+    def finish(self, result: EngineResult, last_chunk: StreamChunk | None) -> None:
+        if self.stream and last_chunk is not None:
+            self._call(self.chunks.put_nowait, last_chunk)
+        self._call(self._set, result, None)
+
+    def fail(self, error: BaseException) -> None:
+        self._call(self._set, None, error)
+
+    def _set(self, result, error):
+        if not self.result.done():
+            self.result.set_exception(error) if error else self.result.set_result(result)
+        self.chunks.put_nowait(None)  # end of stream
+
+
+@dataclass(eq=False)
+class Sequence:
+    id: int
+    skill: str
+    token_ids: list[int]
+    generation: Generation
+    delivery: Delivery
+    image_key: str | None = None
+    pixels: np.ndarray | None = None
+    reasoning: bool = False
+    capacity: int = 0  # positions reserved in the KV cache
+    detok: IncrementalDetokenizer | None = None
+    # filled by the scheduler
+    prefix_len: int = 0
+    length: int = 0  # positions written so far
+    next_input: int | torch.Tensor | None = None
+    streamed_tokens: int = 0
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float = 0.0
+    prefill_ms: float = 0.0
+
+    @property
+    def input_tokens(self) -> int:
+        return self.prefix_len + len(self.token_ids)

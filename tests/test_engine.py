@@ -1,0 +1,215 @@
+"""Engine on the tiny checkpoint (CPU): batching, pages, streaming, overload, cancellation, faults."""
+
+import asyncio
+import json
+
+import pytest
+
+from kestrel_backend.config import RuntimeConfig
+from kestrel_backend.engine import EngineError, EngineOverloaded, InferenceEngine, InvalidRequest, RequestCancelled
+from kestrel_backend.runtime.sequence import Delivery, Sequence
+from kestrel_backend.skills.generation import Generation
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               max_batch_size=16, max_queue=64))
+    yield eng
+    eng.shutdown()
+    assert not eng._thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def golden(tiny_dir):
+    cases = json.loads((tiny_dir / "cases.json").read_text())["cases"]
+    return [c for c in cases if c["kind"] in ("query", "caption", "point", "detect")]
+
+
+def _submit_case(engine, tiny_dir, case):
+    image = (tiny_dir / case["image"]).read_bytes() if case["image"] else None
+    kind = case["kind"]
+    if kind == "query":
+        return engine.submit_tokens("query", image, case["question_ids"], {"temperature": 0, "max_tokens": case["max_tokens"]},
+                                    reasoning=case.get("reasoning", False))
+    if kind == "caption":
+        return engine.submit_tokens("caption", image, case["prompt_ids"], {"temperature": 0, "max_tokens": case["max_tokens"]})
+    return engine.submit_tokens(kind, image, case["object_ids"], {"max_objects": case["max_objects"]})
+
+
+def _check_against_golden(engine, case, result):
+    tok = engine.model.tokenizer
+    if case["kind"] in ("query", "caption"):
+        key = "answer" if case["kind"] == "query" else "caption"
+        assert result.output[key] == tok.decode(case["tokens"]), case["name"]
+        expected_out = len(case["tokens"]) + len(case.get("reasoning_tokens", []))
+        assert result.metrics["output_tokens"] == expected_out
+        if case.get("reasoning"):
+            assert result.output["reasoning"]["text"] == tok.decode(case["reasoning_tokens"])
+    else:
+        key = "points" if case["kind"] == "point" else "objects"
+        got = result.output[key]
+        assert len(got) == len(case[key]), case["name"]
+        for o, r in zip(got, case[key]):
+            for k in r:
+                assert abs(o[k] - min(1.0, max(0.0, r[k]))) <= 1e-4, (case["name"], k)
+
+
+def test_batched_equals_alone_equals_golden(engine, tiny_dir, golden):
+    async def alone():
+        return [await _submit_case(engine, tiny_dir, c) for c in golden]
+
+    async def together():
+        cases = (golden * 2)[:16]
+        return cases, await asyncio.gather(*[_submit_case(engine, tiny_dir, c) for c in cases])
+
+    single = asyncio.run(alone())
+    for case, result in zip(golden, single):
+        _check_against_golden(engine, case, result)
+    cases, batched = asyncio.run(together())
+    assert len(cases) == 16
+    for case, result in zip(cases, batched):
+        _check_against_golden(engine, case, result)
+        assert result.output == single[golden.index(case)].output
+    assert engine.kv.pages_free == engine.kv.num_pages
+
+
+def test_stream_chunks_join_to_final_text(engine, tiny_dir):
+    image = (tiny_dir / "images" / "medium.png").read_bytes()
+
+    async def run():
+        out = []
+        for length in ("short", "long"):
+            stream = await engine.caption(image, length=length, stream=True, settings={"temperature": 0, "max_tokens": 30})
+            chunks = [c async for c in stream]
+            out.append((chunks, await stream.result()))
+        return out
+
+    for chunks, result in asyncio.run(run()):
+        assert "".join(chunks) == result.output["caption"]
+        assert len(chunks) > 1
+        assert [c.token_index for c in chunks] == sorted(c.token_index for c in chunks)
+
+
+class ScriptedText(Generation):
+    """Emits a fixed token list (the decode state machine of a text skill, with a known answer)."""
+
+    def __init__(self, tokens):
+        self.script, self.tokens = list(tokens), []
+
+    def on_output(self, logits, hidden):
+        if not self.script:
+            self._finish("stop")
+            return None
+        self.tokens.append(self.script.pop(0))
+        return self.tokens[-1]
+
+
+def test_stream_never_splits_multibyte_characters(engine):
+    from kestrel_backend.model.tokenizer import IncrementalDetokenizer
+
+    text = "naïve café – 日本語 🙂 ok"
+    ids = engine.model.tokenizer.encode(text).ids
+
+    async def run():
+        delivery = Delivery(asyncio.get_running_loop(), stream=True)
+        seq = Sequence(10_000, "query", [0, 1, 2], ScriptedText(ids), delivery, capacity=64,
+                       detok=IncrementalDetokenizer(engine.model.tokenizer))
+        engine.loop.call_soon_threadsafe(engine.scheduler.add, seq)
+        chunks = []
+        while (c := await delivery.chunks.get()) is not None:
+            chunks.append(c)
+        return chunks, await delivery.result
+
+    chunks, result = asyncio.run(run())
+    assert "".join(chunks) == result.output["answer"] == text
+    assert all("\ufffd" not in c for c in chunks)
+    assert len(chunks) > 5
+
+
+def test_pages_all_free_after_finished_failed_and_cancelled(engine, tiny_dir):
+    image = (tiny_dir / "images" / "small.png").read_bytes()
+
+    async def run():
+        ok = [engine.query(image, "hello there", settings={"temperature": 0.7, "max_tokens": 20}) for _ in range(4)]
+        bad = [engine.query(b"not an image", "hi"), engine.query(image, "hi", settings={"top_p": 3})]
+        streams = [await engine.caption(image, stream=True, settings={"max_tokens": 200}) for _ in range(3)]
+        for s in streams:
+            async for _ in s:
+                s.cancel()
+                break
+        results = await asyncio.gather(*ok, *bad, return_exceptions=True)
+        cancelled = await asyncio.gather(*[s.result() for s in streams], return_exceptions=True)
+        return results, cancelled
+
+    results, cancelled = asyncio.run(run())
+    assert all(r.finish_reason in ("stop", "length") for r in results[:4])
+    assert isinstance(results[4], InvalidRequest) and "IMAGE" in str(results[4])
+    assert isinstance(results[5], InvalidRequest) and "top_p" in str(results[5])
+    assert all(isinstance(c, RequestCancelled) for c in cancelled)
+    assert engine.kv.pages_free == engine.kv.num_pages
+    assert engine.stats()["running"] == 0 and engine.stats()["queue_depth"] == 0
+
+
+def test_fault_in_a_step_fails_that_batch_and_engine_keeps_serving(engine):
+    def boom(batch):
+        engine.scheduler.fault_injector = None
+        raise RuntimeError("injected device fault")
+
+    async def run():
+        engine.scheduler.fault_injector = boom
+        first = await asyncio.gather(engine.query(None, "one", settings={"max_tokens": 5}), return_exceptions=True)
+        second = await engine.query(None, "two", settings={"max_tokens": 5})
+        return first[0], second
+
+    failed, ok = asyncio.run(run())
+    assert isinstance(failed, EngineError) and "injected device fault" in str(failed)
+    assert ok.finish_reason in ("stop", "length")
+    assert engine.kv.pages_free == engine.kv.num_pages
+
+
+def test_overload_rejects_only_the_excess(tiny_dir):
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               max_batch_size=1, max_queue=3))
+    try:
+        async def run():
+            calls = [eng.query(None, f"question {i}", settings={"max_tokens": 4}) for i in range(12)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        results = asyncio.run(run())
+        errors = [r for r in results if isinstance(r, Exception)]
+        done = [r for r in results if not isinstance(r, Exception)]
+        assert errors and all(isinstance(e, EngineOverloaded) and "overloaded" in str(e) for e in errors)
+        assert 3 <= len(done) <= 3 + 1 + 2  # queue + running, give or take steps that ran in between
+        assert eng.kv.pages_free == eng.kv.num_pages
+    finally:
+        eng.shutdown()
+
+
+def test_same_image_is_encoded_once(engine):
+    import numpy as np
+    import pyvips
+
+    pixels = np.random.default_rng(11).integers(0, 256, (200, 500, 3), dtype=np.uint8)
+    image = pyvips.Image.new_from_array(pixels).pngsave_buffer()
+    before = engine.stats()["image_cache_misses"]
+
+    async def run():
+        return await asyncio.gather(*[engine.query(image, f"q{i}", settings={"max_tokens": 2}) for i in range(5)])
+
+    asyncio.run(run())
+    assert engine.stats()["image_cache_misses"] - before == 1
+
+
+def test_bad_inputs_are_named(engine):
+    async def run(coro):
+        with pytest.raises(InvalidRequest) as e:
+            await coro
+        return str(e.value)
+
+    assert "QUESTION" in asyncio.run(run(engine.query(None, "")))
+    assert "LENGTH" in asyncio.run(run(engine.caption(b"x", length="epic")))
+    assert "OBJECT" in asyncio.run(run(engine.point(b"x", "  ")))
+    assert "max_tokens" in asyncio.run(run(engine.query(None, "hi", settings={"max_tokens": -1})))
+    assert "unknown key" in asyncio.run(run(engine.query(None, "hi", settings={"temprature": 1})))
+    assert "too long" in asyncio.run(run(engine.query(None, "word " * 3000)))
