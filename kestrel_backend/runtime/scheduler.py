@@ -173,7 +173,7 @@ class Scheduler:
             return
         last = None
         if seq.detok is not None:
-            last = StreamChunk(seq.detok.flush(), max(len(seq.generation.tokens) - 1, 0))
+            last = StreamChunk(seq.detok.flush(), max(len(seq.generation.tokens) - 1, 0), final=True)
         seq.delivery.finish(self._result(seq), last)
 
     def _result(self, seq: Sequence) -> EngineResult:

@@ -15,13 +15,16 @@ from ..skills.generation import Generation
 
 
 class StreamChunk(str):
-    """A piece of streamed text; `token_index` is the index of the last output token it covers."""
+    """A piece of streamed text; `token_index` is the index of the last output token it covers.
+    The last chunk of a stream (`final`, possibly empty) is the remainder flushed at the end."""
 
     token_index: int
+    final: bool
 
-    def __new__(cls, text: str, token_index: int):
+    def __new__(cls, text: str, token_index: int, final: bool = False):
         obj = super().__new__(cls, text)
         obj.token_index = token_index
+        obj.final = final
         return obj
 
 

@@ -1,0 +1,154 @@
+"""Python client for the `moondream` Triton model, over tritonclient.grpc streams (sync and asyncio).
+
+    from client import MoondreamClient
+    c = MoondreamClient("localhost:8001")
+    c.query(image=open("cat.jpg", "rb").read(), question="What is this?")["answer"]
+    for part in c.stream("caption", image=...): print(part.get("chunk", ""), end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import uuid
+from typing import AsyncIterator, Iterator
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+__all__ = ["MoondreamClient", "AsyncMoondreamClient", "MoondreamError", "build_inputs"]
+
+
+class MoondreamError(RuntimeError):
+    """The server answered this request with an error (message from the server), or it timed out."""
+
+
+def _bytes_input(name: str, value: bytes) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, [1], "BYTES")
+    t.set_data_from_numpy(np.array([value], dtype=np.object_))
+    return t
+
+
+def _bool_input(name: str, value: bool) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, [1], "BOOL")
+    t.set_data_from_numpy(np.array([value], dtype=np.bool_))
+    return t
+
+
+def build_inputs(skill: str, image: bytes | None = None, question: str | None = None, object: str | None = None,
+                 length: str | None = None, stream: bool = False, reasoning: bool = False,
+                 settings: dict | None = None) -> list[grpcclient.InferInput]:
+    inputs = [_bytes_input("SKILL", skill.encode())]
+    for name, value in (("IMAGE", image), ("QUESTION", question), ("OBJECT", object), ("LENGTH", length)):
+        if value is not None:
+            inputs.append(_bytes_input(name, value if isinstance(value, bytes) else value.encode()))
+    if stream:
+        inputs.append(_bool_input("STREAM", True))
+    if reasoning:
+        inputs.append(_bool_input("REASONING", True))
+    if settings is not None:
+        inputs.append(_bytes_input("SETTINGS", json.dumps(settings).encode()))
+    return inputs
+
+
+class Call:
+    """One request on its own gRPC stream; iterate the JSON bodies, `cancel()` to abandon it."""
+
+    def __init__(self, url: str, model: str, inputs, timeout: float, request_id: str | None = None):
+        self._responses: queue.Queue = queue.Queue()
+        self._timeout = timeout
+        self._client = grpcclient.InferenceServerClient(url)
+        self._client.start_stream(callback=lambda result, error: self._responses.put((result, error)))
+        self.request_id = request_id or uuid.uuid4().hex
+        self._client.async_stream_infer(model, inputs, request_id=self.request_id, enable_empty_final_response=True)
+        self._closed = False
+
+    def __iter__(self) -> Iterator[dict]:
+        try:
+            while True:
+                try:
+                    result, error = self._responses.get(timeout=self._timeout)
+                except queue.Empty:
+                    raise MoondreamError(f"no response within {self._timeout} s") from None
+                if error is not None:
+                    raise MoondreamError(error.message() if hasattr(error, "message") else str(error))
+                response = result.get_response()
+                final = response.parameters.get("triton_final_response")
+                text = result.as_numpy("TEXT_OUTPUT")
+                if text is not None:
+                    yield json.loads(text.reshape(-1)[0])
+                if final is not None and final.bool_param:
+                    return
+        finally:
+            self.close()
+
+    def cancel(self) -> None:
+        self.close(cancel=True)
+
+    def close(self, cancel: bool = False) -> None:
+        if not self._closed:
+            self._closed = True
+            self._client.stop_stream(cancel_requests=cancel)
+            self._client.close()
+
+
+class MoondreamClient:
+    def __init__(self, url: str = "localhost:8001", model: str = "moondream", timeout: float = 300.0):
+        self.url, self.model, self.timeout = url, model, timeout
+
+    def call(self, skill: str, **kw) -> Call:
+        return Call(self.url, self.model, build_inputs(skill, **kw), self.timeout)
+
+    def stream(self, skill: str, **kw) -> Iterator[dict]:
+        """Chunk bodies ({"chunk", "completed": false}) then the final body ("completed": true)."""
+        return iter(self.call(skill, stream=True, **kw))
+
+    def _one(self, skill: str, **kw) -> dict:
+        bodies = list(self.call(skill, **kw))
+        if len(bodies) != 1:
+            raise MoondreamError(f"expected one response, got {len(bodies)}")
+        return bodies[0]
+
+    def query(self, question: str, image: bytes | None = None, reasoning: bool = False, settings: dict | None = None) -> dict:
+        return self._one("query", image=image, question=question, reasoning=reasoning, settings=settings)
+
+    def caption(self, image: bytes, length: str = "normal", settings: dict | None = None) -> dict:
+        return self._one("caption", image=image, length=length, settings=settings)
+
+    def detect(self, image: bytes, object: str, settings: dict | None = None) -> dict:
+        return self._one("detect", image=image, object=object, settings=settings)
+
+    def point(self, image: bytes, object: str, settings: dict | None = None) -> dict:
+        return self._one("point", image=image, object=object, settings=settings)
+
+
+class AsyncMoondreamClient:
+    """asyncio face of MoondreamClient: the gRPC stream callbacks are awaited without blocking the loop."""
+
+    def __init__(self, url: str = "localhost:8001", model: str = "moondream", timeout: float = 300.0):
+        self._sync = MoondreamClient(url, model, timeout)
+
+    async def stream(self, skill: str, **kw) -> AsyncIterator[dict]:
+        call = await asyncio.to_thread(self._sync.call, skill, stream=True, **kw)
+        it = iter(call)
+        try:
+            while True:
+                body = await asyncio.to_thread(next, it, None)
+                if body is None:
+                    return
+                yield body
+        finally:
+            call.cancel()
+
+    async def query(self, question: str, image: bytes | None = None, **kw) -> dict:
+        return await asyncio.to_thread(self._sync.query, question, image, **kw)
+
+    async def caption(self, image: bytes, length: str = "normal", **kw) -> dict:
+        return await asyncio.to_thread(self._sync.caption, image, length, **kw)
+
+    async def detect(self, image: bytes, object: str, **kw) -> dict:
+        return await asyncio.to_thread(self._sync.detect, image, object, **kw)
+
+    async def point(self, image: bytes, object: str, **kw) -> dict:
+        return await asyncio.to_thread(self._sync.point, image, object, **kw)

@@ -1,0 +1,44 @@
+"""python -m client query|caption|detect|point --url localhost:8001 --image PATH [--stream]"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import MoondreamClient, MoondreamError
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m client")
+    p.add_argument("skill", choices=["query", "caption", "detect", "point"])
+    p.add_argument("--url", default="localhost:8001")
+    p.add_argument("--image")
+    p.add_argument("--question")
+    p.add_argument("--object")
+    p.add_argument("--length")
+    p.add_argument("--reasoning", action="store_true")
+    p.add_argument("--settings", help="JSON object, e.g. '{\"max_tokens\": 64}'")
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0)
+    a = p.parse_args(argv)
+    kw = dict(image=Path(a.image).read_bytes() if a.image else None, question=a.question, object=a.object,
+              length=a.length, reasoning=a.reasoning, settings=json.loads(a.settings) if a.settings else None)
+    c = MoondreamClient(a.url, timeout=a.timeout)
+    try:
+        if a.stream:
+            for body in c.stream(a.skill, **kw):
+                if body.get("completed"):
+                    print(body.get("chunk", ""), flush=True)
+                    print(json.dumps(body, ensure_ascii=False))
+                else:
+                    print(body["chunk"], end="", flush=True)
+        else:
+            print(json.dumps(c._one(a.skill, **kw), ensure_ascii=False))
+    except MoondreamError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""What TritonPythonModel delegates to: requests in on Triton's thread, responses out from the engine loop.
+
+execute() only parses and submits (asyncio.run_coroutine_threadsafe); each request is then served
+by a coroutine on the engine loop that sends through that request's response sender. Every
+request ends with exactly one TRITONSERVER_RESPONSE_COMPLETE_FINAL flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+
+import numpy as np
+
+from ..config import RuntimeConfig
+from ..engine import InferenceEngine
+from ..errors import EngineOverloaded, InvalidRequest, RequestCancelled
+from .metrics import TritonMetrics
+from .protocol import WireRequest, chunk_body, final_stream_body, parse_request, result_body
+
+log = logging.getLogger("kestrel.triton")
+WATCH_INTERVAL_S = 0.05
+
+
+class TritonAdapter:
+    def __init__(self, model_config: dict, pb):
+        self.pb = pb
+        self.final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+        self.engine = InferenceEngine.create(RuntimeConfig.from_sources(os.environ, params))
+        self.metrics = TritonMetrics(pb)
+        self._inflight: dict[asyncio.Task, object] = {}
+        self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.engine.loop)
+
+    # --- Triton's thread ---
+    def execute(self, requests) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            request_id = request.request_id() or uuid.uuid4().hex
+            try:
+                wire = parse_request(lambda name: self._input(request, name))
+            except InvalidRequest as e:
+                self._send_error(sender, str(e))
+                self.metrics.request_done("unknown", "invalid", 0.0)
+                continue
+            asyncio.run_coroutine_threadsafe(self._serve(request_id, wire, sender), self.engine.loop)
+
+    def _input(self, request, name: str):
+        tensor = self.pb.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def shutdown(self) -> None:
+        self._watcher.cancel()
+        self.engine.shutdown()
+
+    # --- engine loop ---
+    async def _serve(self, request_id: str, wire: WireRequest, sender) -> None:
+        self._inflight[asyncio.current_task()] = sender
+        t0 = time.perf_counter()
+        outcome, result = "error", None
+        try:
+            if wire.stream and wire.skill in ("query", "caption"):
+                result = await self._serve_stream(request_id, wire, sender)
+            else:
+                result = await self._call(wire, stream=False)
+                self._send(sender, result_body(request_id, result), final=True)
+            outcome = "success"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            self._send_final_flag(sender)
+        except RequestCancelled:
+            outcome = "cancelled"
+            self._send_final_flag(sender)
+        except InvalidRequest as e:
+            outcome = "invalid"
+            self._send_error(sender, str(e))
+        except EngineOverloaded as e:
+            outcome = "overloaded"
+            self._send_error(sender, str(e), unavailable=True)
+        except Exception as e:
+            log.exception("request %s failed", request_id)
+            self._send_error(sender, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self._inflight.pop(asyncio.current_task(), None)
+            m = result.metrics if result else {}
+            self.metrics.request_done(wire.skill, outcome, time.perf_counter() - t0,
+                                      m["ttft_ms"] / 1000 if m else None, m.get("output_tokens", 0))
+            self.metrics.engine_state(self.engine.stats())
+
+    async def _call(self, wire: WireRequest, stream: bool):
+        e = self.engine
+        if wire.skill == "query":
+            return await e.query(wire.image, wire.question or "", wire.reasoning, stream, wire.settings)
+        if wire.skill == "caption":
+            return await e.caption(wire.image, wire.length, stream, wire.settings)
+        return await getattr(e, wire.skill)(wire.image, wire.object or "", wire.settings)
+
+    async def _serve_stream(self, request_id: str, wire: WireRequest, sender):
+        stream = await self._call(wire, stream=True)
+        remainder = ""
+        try:
+            async for chunk in stream:
+                if chunk.final:
+                    remainder = chunk
+                elif chunk:
+                    self._send(sender, chunk_body(chunk, chunk.token_index), final=False)
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        result = await stream.result()
+        self._send(sender, final_stream_body(request_id, result, remainder), final=True)
+        return result
+
+    async def _watch(self) -> None:
+        """Cancel requests whose client went away; keep the engine gauges fresh."""
+        while True:
+            for task, sender in list(self._inflight.items()):
+                if sender.is_cancelled():
+                    task.cancel()
+            self.metrics.engine_state(self.engine.stats())
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    # --- sending ---
+    def _send(self, sender, body: dict, final: bool) -> None:
+        out = self.pb.Tensor("TEXT_OUTPUT", np.array([json.dumps(body, ensure_ascii=False).encode()], dtype=np.object_))
+        sender.send(self.pb.InferenceResponse(output_tensors=[out]), flags=self.final if final else 0)
+
+    def _send_error(self, sender, message: str, unavailable: bool = False) -> None:
+        TE = self.pb.TritonError
+        error = TE(message, TE.UNAVAILABLE) if unavailable else TE(message)
+        sender.send(self.pb.InferenceResponse(output_tensors=[], error=error), flags=self.final)
+
+    def _send_final_flag(self, sender) -> None:
+        try:
+            sender.send(flags=self.final)
+        except Exception:  # the client is gone; nothing else to do
+            pass

@@ -1,0 +1,40 @@
+"""Custom metric families on Triton's metrics endpoint (pb_utils.MetricFamily), Prometheus naming."""
+
+from __future__ import annotations
+
+LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+
+
+class TritonMetrics:
+    def __init__(self, pb):
+        MF = pb.MetricFamily
+        self._requests = MF("kestrel_requests_total", "Requests by skill and outcome", MF.COUNTER)
+        self._tokens = MF("kestrel_output_tokens_total", "Output tokens (or objects) by skill", MF.COUNTER)
+        self._ttft = MF("kestrel_time_to_first_token_seconds", "Time to first output", MF.HISTOGRAM)
+        self._latency = MF("kestrel_request_latency_seconds", "End-to-end request latency", MF.HISTOGRAM)
+        gauges = MF("kestrel_engine_state", "Engine state: queue_depth, running, kv_pages_used, kv_pages_total", MF.GAUGE)
+        self._gauges = {name: gauges.Metric(labels={"state": name})
+                        for name in ("queue_depth", "running", "kv_pages_used", "kv_pages_total")}
+        self._families = (self._requests, self._tokens, self._ttft, self._latency, gauges)
+        self._metrics: dict = {}
+
+    def _metric(self, family, labels: dict, **kw):
+        key = (id(family), tuple(sorted(labels.items())))
+        if key not in self._metrics:
+            self._metrics[key] = family.Metric(labels=labels, **kw)
+        return self._metrics[key]
+
+    def request_done(self, skill: str, outcome: str, latency_s: float, ttft_s: float | None = None,
+                     output_tokens: int = 0) -> None:
+        self._metric(self._requests, {"skill": skill, "outcome": outcome}).increment(1)
+        self._metric(self._latency, {"skill": skill}, buckets=LATENCY_BUCKETS).observe(latency_s)
+        if ttft_s is not None:
+            self._metric(self._ttft, {"skill": skill}, buckets=LATENCY_BUCKETS).observe(ttft_s)
+        if output_tokens:
+            self._metric(self._tokens, {"skill": skill}).increment(output_tokens)
+
+    def engine_state(self, stats: dict) -> None:
+        self._gauges["queue_depth"].set(stats["queue_depth"])
+        self._gauges["running"].set(stats["running"])
+        self._gauges["kv_pages_used"].set(stats["pages_used"])
+        self._gauges["kv_pages_total"].set(stats["pages_total"])

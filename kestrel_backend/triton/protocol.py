@@ -1,0 +1,102 @@
+"""Wire format of the `moondream` model: request tensors in, JSON TEXT_OUTPUT bodies out (see DESIGN.md)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..errors import InvalidRequest
+from ..runtime.sequence import EngineResult
+
+SKILLS = ("query", "caption", "detect", "point")
+
+
+@dataclass(frozen=True)
+class WireRequest:
+    skill: str
+    image: bytes | None
+    question: str | None
+    object: str | None
+    length: str
+    stream: bool
+    reasoning: bool
+    settings: dict | None
+
+
+def _one(name: str, arr: np.ndarray):
+    if arr.size != 1:
+        raise InvalidRequest(f"{name} must hold exactly one element, got shape {list(arr.shape)}")
+    return arr.reshape(-1)[0]
+
+
+def _bytes(name: str, arr: np.ndarray | None) -> bytes | None:
+    if arr is None:
+        return None
+    if arr.dtype != np.object_:
+        raise InvalidRequest(f"{name} must be a BYTES tensor, got {arr.dtype}")
+    value = _one(name, arr)
+    if isinstance(value, str):
+        return value.encode()
+    if not isinstance(value, (bytes, bytearray)):
+        raise InvalidRequest(f"{name} must hold bytes")
+    return bytes(value)
+
+
+def _text(name: str, arr: np.ndarray | None) -> str | None:
+    raw = _bytes(name, arr)
+    if raw is None:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"{name} is not valid UTF-8 text") from None
+
+
+def _flag(name: str, arr: np.ndarray | None) -> bool:
+    if arr is None:
+        return False
+    if arr.dtype != np.bool_:
+        raise InvalidRequest(f"{name} must be a BOOL tensor, got {arr.dtype}")
+    return bool(_one(name, arr))
+
+
+def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
+    """`get(name)` returns an input as numpy (None when absent). Raises InvalidRequest naming the input."""
+    skill = _text("SKILL", get("SKILL"))
+    if skill is None:
+        raise InvalidRequest("SKILL is required")
+    if skill not in SKILLS:
+        raise InvalidRequest(f"SKILL must be one of {', '.join(SKILLS)}; got {skill!r}")
+    settings = _text("SETTINGS", get("SETTINGS"))
+    if settings is not None:
+        try:
+            settings = json.loads(settings)
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"SETTINGS is not valid JSON: {e.msg}") from None
+        if not isinstance(settings, dict):
+            raise InvalidRequest("SETTINGS must be a JSON object")
+    return WireRequest(
+        skill=skill,
+        image=_bytes("IMAGE", get("IMAGE")),
+        question=_text("QUESTION", get("QUESTION")),
+        object=_text("OBJECT", get("OBJECT")),
+        length=_text("LENGTH", get("LENGTH")) or "normal",
+        stream=_flag("STREAM", get("STREAM")),
+        reasoning=_flag("REASONING", get("REASONING")),
+        settings=settings,
+    )
+
+
+def result_body(request_id: str, result: EngineResult) -> dict:
+    return {"request_id": request_id, "finish_reason": result.finish_reason, **result.output, "metrics": result.metrics}
+
+
+def chunk_body(text: str, token_index: int) -> dict:
+    return {"chunk": text, "completed": False, "token_index": token_index}
+
+
+def final_stream_body(request_id: str, result: EngineResult, remainder: str) -> dict:
+    return {**result_body(request_id, result), "chunk": remainder, "completed": True}
