@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv with the package, the client and a tritonserver (nvidia-pytriton wheel: server binary,
+# Python backend and its stubs). The wheel's own Python deps are for pytriton's Python API, which we
+# do not use, hence --no-deps. Usage: bash ci/install.sh [extra], e.g. "test".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+pip install -q torch==2.13.0  # CPU build from local disk on the dev/CI machines
+pip install -q -e ".[client${1:+,$1}]"
+pip install -q --no-deps nvidia-pytriton==0.7.0

@@ -1,0 +1,233 @@
+"""The product as users run it: a real tritonserver with our model repository, driven over gRPC."""
+
+import asyncio
+import re
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from client import AsyncMoondreamClient, MoondreamClient, MoondreamError, build_inputs
+from kestrel_backend.config import RuntimeConfig
+from kestrel_backend.engine import InferenceEngine
+
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def client(triton_server):
+    return MoondreamClient(triton_server["grpc"], timeout=120)
+
+
+@pytest.fixture(scope="module")
+def image(tiny_dir):
+    return (tiny_dir / "images" / "small.png").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def direct(tiny_dir):
+    """The same engine in-process: the server must give exactly its answers."""
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32"))
+    yield lambda coro_fn: asyncio.run(coro_fn(eng))
+    eng.shutdown()
+
+
+def metrics_text(triton_server) -> str:
+    return urllib.request.urlopen(triton_server["metrics"], timeout=10).read().decode()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_health_ready(triton_server):
+    assert urllib.request.urlopen(triton_server["http"] + "/v2/health/ready").status == 200
+    assert urllib.request.urlopen(triton_server["http"] + "/v2/models/moondream/ready").status == 200
+
+
+def _check_metrics(body, n_out):
+    m = body["metrics"]
+    assert set(m) == {"input_tokens", "output_tokens", "prefill_time_ms", "decode_time_ms", "ttft_ms"}
+    assert m["output_tokens"] == n_out and m["input_tokens"] > 0
+
+
+def test_query_and_caption_equal_the_engine(client, image, direct):
+    q = client.query("What is in the picture?", image=image, settings=GREEDY)
+    assert set(q) == {"request_id", "finish_reason", "answer", "metrics"}
+    assert q["finish_reason"] in ("stop", "length")
+    want = direct(lambda e: e.query(image, "What is in the picture?", settings=GREEDY))
+    assert q["answer"] == want.output["answer"] and q["finish_reason"] == want.finish_reason
+    _check_metrics(q, want.metrics["output_tokens"])
+
+    c = client.caption(image, "short", settings=GREEDY)
+    assert set(c) == {"request_id", "finish_reason", "caption", "metrics"}
+    assert c["caption"] == direct(lambda e: e.caption(image, "short", settings=GREEDY)).output["caption"]
+
+    t = client.query("Text only, please.", settings=GREEDY)
+    assert t["answer"] == direct(lambda e: e.query(None, "Text only, please.", settings=GREEDY)).output["answer"]
+
+    r = client.query("Think first.", image=image, reasoning=True, settings=GREEDY)
+    assert set(r["reasoning"]) == {"text", "grounding"}
+    assert r["answer"] == direct(lambda e: e.query(image, "Think first.", reasoning=True, settings=GREEDY)).output["answer"]
+
+
+@pytest.mark.parametrize("skill", ["query", "caption"])
+def test_streamed_chunks_join_to_the_final_text(client, image, skill):
+    kw = {"question": "Describe it."} if skill == "query" else {"length": "long"}
+    bodies = list(client.stream(skill, image=image, settings={"temperature": 0, "max_tokens": 24}, **kw))
+    *chunks, final = bodies
+    assert chunks and all(b["completed"] is False and set(b) == {"chunk", "completed", "token_index"} for b in chunks)
+    assert final["completed"] is True
+    key = "answer" if skill == "query" else "caption"
+    assert "".join(b["chunk"] for b in chunks) + final["chunk"] == final[key]
+    assert [b["token_index"] for b in chunks] == sorted(b["token_index"] for b in chunks)
+
+
+def test_point_and_detect(client, image, direct):
+    p = client.point(image, "dog", settings={"max_objects": 4})
+    assert set(p) == {"request_id", "finish_reason", "points", "metrics"}
+    assert p["points"] == direct(lambda e: e.point(image, "dog", settings={"max_objects": 4})).output["points"]
+    d = client.detect(image, "dog", settings={"max_objects": 4})
+    assert d["objects"] and all(set(o) == {"x_min", "y_min", "x_max", "y_max"} for o in d["objects"])
+    assert all(0.0 <= v <= 1.0 for o in d["objects"] for v in o.values())
+    assert d["objects"] == direct(lambda e: e.detect(image, "dog", settings={"max_objects": 4})).output["objects"]
+    # STREAM on a region skill still gives one final response
+    bodies = list(client.stream("point", image=image, object="dog", settings={"max_objects": 2}))
+    assert len(bodies) == 1 and len(bodies[0]["points"]) <= 2
+
+
+def _raw(url, inputs):
+    """Send hand-made tensors; returns (bodies, error message)."""
+    done = threading.Event()
+    out = {"bodies": [], "error": None}
+
+    def callback(result, error):
+        if error is not None:
+            out["error"] = str(error)
+            done.set()
+            return
+        text = result.as_numpy("TEXT_OUTPUT")
+        if text is not None:
+            out["bodies"].append(text[0])
+        final = result.get_response().parameters.get("triton_final_response")
+        if final is not None and final.bool_param:
+            done.set()
+
+    c = grpcclient.InferenceServerClient(url)
+    c.start_stream(callback=callback)
+    c.async_stream_infer("moondream", inputs, enable_empty_final_response=True)
+    assert done.wait(60), "no final response"
+    c.stop_stream()
+    c.close()
+    return out["bodies"], out["error"]
+
+
+def _tensor(name, arr, dtype):
+    t = grpcclient.InferInput(name, list(arr.shape), dtype)
+    t.set_data_from_numpy(arr)
+    return t
+
+
+def _bad_requests(image):
+    b = lambda name, v: _tensor(name, np.array([v], dtype=np.object_), "BYTES")
+    skill = lambda s: b("SKILL", s.encode())
+    return {
+        "unknown skill": ([skill("dance"), b("IMAGE", image)], r"SKILL must be one of"),
+        "missing SKILL": ([b("QUESTION", b"hi")], r"SKILL"),
+        "missing QUESTION": ([skill("query"), b("IMAGE", image)], r"QUESTION is required"),
+        "missing IMAGE for caption": ([skill("caption")], r"IMAGE is required"),
+        "missing OBJECT": ([skill("detect"), b("IMAGE", image)], r"OBJECT is required"),
+        "empty QUESTION": ([skill("query"), b("QUESTION", b"  ")], r"QUESTION is required"),
+        "non-UTF-8 QUESTION": ([skill("query"), b("QUESTION", b"\xff\xfe\xfa")], r"QUESTION is not valid UTF-8"),
+        "random bytes IMAGE": ([skill("caption"), b("IMAGE", bytes(range(256)) * 4)], r"IMAGE is not a decodable"),
+        "truncated PNG": ([skill("caption"), b("IMAGE", image[: len(image) // 2])], r"IMAGE is (truncated|not a decodable)"),
+        "zero-byte IMAGE": ([skill("caption"), b("IMAGE", b"")], r"IMAGE is (empty|required)"),
+        "SETTINGS not JSON": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b"{nope")], r"SETTINGS is not valid JSON"),
+        "SETTINGS not an object": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b"[1]")], r"SETTINGS must be a JSON object"),
+        "SETTINGS unknown key": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b'{"temp": 1}')], r"unknown key"),
+        "temperature < 0": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b'{"temperature": -1}')], r"temperature"),
+        "top_p > 1": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b'{"top_p": 1.5}')], r"top_p"),
+        "negative max_tokens": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b'{"max_tokens": -5}')], r"max_tokens"),
+        "NaN temperature": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b'{"temperature": NaN}')], r"temperature must be a finite"),
+        "10 MB of zeros as IMAGE": ([skill("caption"), b("IMAGE", bytes(10 << 20))], r"IMAGE is not a decodable"),
+        "huge max_objects": ([skill("point"), b("IMAGE", image), b("OBJECT", b"x"), b("SETTINGS", b'{"max_objects": 100000}')], r"max_objects"),
+        "invalid LENGTH": ([skill("caption"), b("IMAGE", image), b("LENGTH", b"epic")], r"LENGTH must be"),
+        "question longer than the context": ([skill("query"), b("QUESTION", ("word " * 3000).encode())], r"QUESTION is too long"),
+        "wrong type SKILL": ([_tensor("SKILL", np.array([1], dtype=np.int32), "INT32")], r"SKILL|data-type|datatype"),
+        "wrong shape QUESTION": ([skill("query"), _tensor("QUESTION", np.array([b"a", b"b"], dtype=np.object_), "BYTES")], r"QUESTION|shape"),
+    }
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(triton_server, client, image):
+    bad = _bad_requests(image)
+    assert len(bad) >= 10
+    for kind, (inputs, pattern) in bad.items():
+        bodies, error = _raw(triton_server["grpc"], inputs)
+        assert error is not None and not bodies, kind
+        assert re.search(pattern, error), (kind, error)
+        ok = client.query("still there?", settings={"max_tokens": 2})
+        assert ok["finish_reason"] in ("stop", "length"), kind
+    assert metric(metrics_text(triton_server), "kestrel_requests_total", outcome="invalid") >= 15
+
+
+def test_concurrent_streams_with_cancellations_and_metrics(triton_server, image):
+    aclient = AsyncMoondreamClient(triton_server["grpc"], timeout=300)
+
+    async def one(i):
+        settings = {"temperature": 0.5, "max_tokens": 40, "seed": i}
+        got = []
+        async for body in aclient.stream("caption" if i % 2 else "query", image=image, question=f"q {i}", settings=settings):
+            got.append(body)
+            if i % 4 == 0 and len(got) == 2:  # every fourth client walks away midway
+                return "cancelled", got
+        return "done", got
+
+    async def run():
+        return await asyncio.gather(*[one(i) for i in range(32)])
+
+    results = asyncio.run(run())
+    for i, (state, bodies) in enumerate(results):
+        if i % 4:
+            assert state == "done" and bodies[-1]["completed"] is True, i
+            key = "caption" if i % 2 else "answer"
+            assert "".join(b["chunk"] for b in bodies) == bodies[-1][key]
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        text = metrics_text(triton_server)
+        if metric(text, "kestrel_engine_state", state="kv_pages_used") == 0 and metric(text, "kestrel_engine_state", state="running") == 0:
+            break
+        time.sleep(0.2)
+    assert metric(text, "kestrel_engine_state", state="kv_pages_used") == 0
+    assert metric(text, "kestrel_engine_state", state="kv_pages_total") > 0
+    assert metric(text, "nv_inference_request_success", model="moondream") > 0
+    assert metric(text, "kestrel_requests_total", outcome="success") >= 24
+    assert metric(text, "kestrel_requests_total", outcome="cancelled") >= 1  # the server saw clients leave
+    assert metric(text, "kestrel_output_tokens_total") > 0
+    assert metric(text, "kestrel_time_to_first_token_seconds_count") > 0
+    assert metric(text, "kestrel_request_latency_seconds_count") > 0
+
+
+def test_cli_and_seed_client(triton_server, tiny_dir):
+    import subprocess
+    import sys
+
+    img = str(tiny_dir / "images" / "small.png")
+    out = subprocess.run([sys.executable, "-m", "client", "detect", "--url", triton_server["grpc"], "--image", img,
+                          "--object", "cat", "--settings", '{"max_objects": 2}'], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert '"objects"' in out.stdout
+    seed = subprocess.run([sys.executable, "client/client.py", "--url", triton_server["grpc"], "--image", img],
+                          capture_output=True, text=True, timeout=300)
+    assert seed.returncode == 0, seed.stderr
+    assert all(k in seed.stdout for k in ("query:", "caption:", "detect:", "point:"))
+    bad = subprocess.run([sys.executable, "-m", "client", "caption", "--url", triton_server["grpc"], "--image", "README.md"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "IMAGE is not a decodable" in bad.stderr
