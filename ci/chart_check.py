@@ -1,0 +1,85 @@
+"""Render the Helm chart with Helm's own engine (helm-python-sdk), lint it, and validate every object.
+
+    python ci/chart_check.py [CHART_DIR]
+
+Renders the default values and deploy/helm/values-all-on.yaml; every rendered object is checked
+against the Kubernetes JSON schemas shipped by kubernetes-validate (strict: unknown fields fail).
+ServiceMonitor is a Prometheus Operator CRD with no shipped schema: its required fields are checked
+by hand. Prints one line per object and exits non-zero on any problem.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "deploy" / "helm" / "kestrel-triton"
+ALL_ON = ROOT / "deploy" / "helm" / "values-all-on.yaml"
+KUBE_VERSION = "1.30.0"
+
+
+def _check_service_monitor(obj: dict) -> None:
+    spec = obj.get("spec") or {}
+    if not spec.get("selector", {}).get("matchLabels"):
+        raise ValueError("ServiceMonitor spec.selector.matchLabels is empty")
+    if not spec.get("endpoints") or not all(e.get("port") for e in spec["endpoints"]):
+        raise ValueError("ServiceMonitor spec.endpoints need a port")
+
+
+def check(chart_dir: Path = CHART, values_files=(None, ALL_ON)) -> list[str]:
+    """Returns the problems found (empty: all good)."""
+    problems: list[str] = []
+    for values_file in values_files:
+        label = values_file.name if values_file else "default values"
+        values = yaml.safe_load(values_file.read_text()) if values_file else None
+        report = helm.lint(str(chart_dir), values, strict=True, kube_version=f"v{KUBE_VERSION}")
+        for msg in report.get("messages", []):
+            if msg.get("severity", 0) >= 2:
+                problems.append(f"{label}: lint: {msg.get('path')}: {msg.get('error')}")
+        problems += [f"{label}: lint: {e}" for e in report.get("errors", [])]
+        try:
+            chart = helm.Chart.load(str(chart_dir))
+            rendered = chart.render(values, name="kestrel", namespace="inference", is_install=True)
+        except helm.HelmError as e:
+            problems.append(f"{label}: render failed: {e}")
+            continue
+        kinds = []
+        for path, text in sorted(rendered.items()):
+            if not path.endswith((".yaml", ".yml")):
+                continue
+            try:
+                docs = [d for d in yaml.safe_load_all(text) if d]
+            except yaml.YAMLError as e:
+                problems.append(f"{label}: {path}: not YAML: {e}")
+                continue
+            for obj in docs:
+                kind = obj.get("kind", "?")
+                try:
+                    if kind == "ServiceMonitor":
+                        _check_service_monitor(obj)
+                    else:
+                        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+                    kinds.append(kind)
+                    print(f"ok   {label}: {path}: {kind}")
+                except Exception as e:
+                    problems.append(f"{label}: {path}: {kind}: {type(e).__name__}: {e}")
+        if "Deployment" not in kinds or "Service" not in kinds:
+            problems.append(f"{label}: rendered no Deployment/Service (got {kinds})")
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    problems = check(Path(argv[0]) if argv else CHART)
+    for p in problems:
+        print("FAIL", p)
+    print("chart check:", "passed" if not problems else f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
