@@ -29,6 +29,7 @@ from .skills.prompts import caption_prompt, query_prompt, region_prompt
 from .skills.settings import Settings
 
 log = logging.getLogger("kestrel.engine")
+UNHEALTHY_AFTER_FAILED_STEPS = 3
 
 __all__ = ["InferenceEngine", "EngineResult", "EngineStream", "StreamChunk", "EngineOverloaded",
            "EngineError", "RequestCancelled", "InvalidRequest"]
@@ -104,6 +105,11 @@ class InferenceEngine:
         self._decoders.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
             self.loop.close()
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine thread died or steps keep failing back to back (an unusable device)."""
+        return self._thread.is_alive() and self.scheduler.consecutive_failures < UNHEALTHY_AFTER_FAILED_STEPS
 
     # --- counts for metrics ---
     def stats(self) -> dict:

@@ -34,38 +34,68 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class TritonProcess:
+    """A real tritonserver (nvidia-pytriton wheel) on free ports with our repository, tiny checkpoint, CPU."""
+
+    def __init__(self, work, **env):
+        import subprocess
+        import time
+        import urllib.request
+
+        from kestrel_backend.triton.local_server import server_command
+
+        http, grpc, metrics = _free_port(), _free_port(), _free_port()
+        cmd, full_env = server_command(http, grpc, metrics, work=work)
+        full_env.update({"KESTREL_DEVICE": "cpu", **env})
+        self.log = work / "server.log"
+        self.proc = subprocess.Popen(cmd, env=full_env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+        self.grpc, self.http = f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}"
+        self.metrics = f"http://127.0.0.1:{metrics}/metrics"
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited: {self.log.read_text()[-3000:]}")
+            try:
+                if urllib.request.urlopen(self.http + "/v2/health/ready", timeout=2).status == 200:
+                    return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"tritonserver not ready: {self.log.read_text()[-3000:]}")
+
+    def __getitem__(self, key):  # tests read server["grpc"], server["metrics"], ...
+        return getattr(self, key)
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and its Python-backend stub (the engine lives in the stub)."""
+        import subprocess
+
+        pids = [str(self.proc.pid)] + subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                                                     text=True).stdout.split()
+        total = 0
+        for pid in pids:
+            try:
+                for line in open(f"/proc/{pid}/status"):
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            except FileNotFoundError:
+                pass
+        return total
+
+    def stop(self):
+        import subprocess
+
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory):
-    """One real tritonserver (nvidia-pytriton wheel) per test run, on free ports, tiny checkpoint, CPU."""
-    import subprocess
-    import time
-    import urllib.request
-
-    from kestrel_backend.triton.local_server import server_command
-
-    http, grpc, metrics = _free_port(), _free_port(), _free_port()
-    work = tmp_path_factory.mktemp("triton")
-    cmd, env = server_command(http, grpc, metrics, work=work)
-    env.update(KESTREL_DEVICE="cpu", KESTREL_MAX_QUEUE="64")
-    log = open(work / "server.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    ready = f"http://127.0.0.1:{http}/v2/health/ready"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tritonserver exited: {(work / 'server.log').read_text()[-3000:]}")
-        try:
-            if urllib.request.urlopen(ready, timeout=2).status == 200:
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError(f"tritonserver not ready: {(work / 'server.log').read_text()[-3000:]}")
-    yield {"grpc": f"127.0.0.1:{grpc}", "http": f"http://127.0.0.1:{http}",
-           "metrics": f"http://127.0.0.1:{metrics}/metrics", "log": work / "server.log", "proc": proc}
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    """One server per test run for the functional tests."""
+    server = TritonProcess(tmp_path_factory.mktemp("triton"), KESTREL_MAX_QUEUE="64",
+                           HF_TOKEN="hf_secret_token_must_not_be_logged")
+    yield server
+    server.stop()

@@ -168,6 +168,27 @@ def test_fault_in_a_step_fails_that_batch_and_engine_keeps_serving(engine):
     assert engine.kv.pages_free == engine.kv.num_pages
 
 
+def test_repeated_step_failures_mark_the_engine_unhealthy(tiny_dir):
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32"))
+    try:
+        def broken_device(batch):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        eng.scheduler.fault_injector = broken_device
+
+        async def run():
+            return await asyncio.gather(*[eng.query(None, f"q{i}", settings={"max_tokens": 3}) for i in range(3)],
+                                        return_exceptions=True)
+
+        assert eng.healthy
+        for _ in range(3):
+            assert all(isinstance(r, EngineError) for r in asyncio.run(run()))
+        assert not eng.healthy
+        assert eng.kv.pages_free == eng.kv.num_pages
+    finally:
+        eng.shutdown()
+
+
 def test_overload_rejects_only_the_excess(tiny_dir):
     eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
                                                max_batch_size=1, max_queue=3))

@@ -8,7 +8,9 @@ import urllib.request
 
 import numpy as np
 import pytest
+import pyvips
 import tritonclient.grpc as grpcclient
+from test_images import png_header_only
 
 from client import AsyncMoondreamClient, MoondreamClient, MoondreamError, build_inputs
 from kestrel_backend.config import RuntimeConfig
@@ -136,6 +138,18 @@ def _tensor(name, arr, dtype):
     return t
 
 
+def _animated_webp():
+    frames = pyvips.Image.arrayjoin([pyvips.Image.black(16, 16, bands=3) + i * 40 for i in range(3)], across=1).cast("uchar")
+    frames = frames.copy()
+    frames.set_type(pyvips.GValue.gint_type, "page-height", 16)
+    return frames.webpsave_buffer()
+
+
+def _jpeg():
+    pixels = np.random.default_rng(0).integers(0, 256, (120, 160, 3), dtype=np.uint8)
+    return pyvips.Image.new_from_array(pixels).jpegsave_buffer()
+
+
 def _bad_requests(image):
     b = lambda name, v: _tensor(name, np.array([v], dtype=np.object_), "BYTES")
     skill = lambda s: b("SKILL", s.encode())
@@ -157,6 +171,11 @@ def _bad_requests(image):
         "top_p > 1": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b'{"top_p": 1.5}')], r"top_p"),
         "negative max_tokens": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b'{"max_tokens": -5}')], r"max_tokens"),
         "NaN temperature": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b'{"temperature": NaN}')], r"temperature must be a finite"),
+        "20000x20000 PNG bomb": ([skill("caption"), b("IMAGE", png_header_only(20000, 20000))], r"20000x20000 pixels, over the"),
+        "animated WebP": ([skill("caption"), b("IMAGE", _animated_webp())], r"several frames"),
+        "GIF": ([skill("caption"), b("IMAGE", pyvips.Image.new_from_array(np.zeros((8, 8), np.uint8)).gifsave_buffer())], r"not supported"),
+        "truncated JPEG": ([skill("caption"), b("IMAGE", _jpeg()[:600])], r"IMAGE is (truncated|not a decodable)"),
+        "missing IMAGE for point": ([skill("point"), b("OBJECT", b"cat")], r"IMAGE is required"),
         "10 MB of zeros as IMAGE": ([skill("caption"), b("IMAGE", bytes(10 << 20))], r"IMAGE is not a decodable"),
         "huge max_objects": ([skill("point"), b("IMAGE", image), b("OBJECT", b"x"), b("SETTINGS", b'{"max_objects": 100000}')], r"max_objects"),
         "invalid LENGTH": ([skill("caption"), b("IMAGE", image), b("LENGTH", b"epic")], r"LENGTH must be"),
@@ -168,14 +187,26 @@ def _bad_requests(image):
 
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(triton_server, client, image):
     bad = _bad_requests(image)
-    assert len(bad) >= 10
+    assert len(bad) >= 25
     for kind, (inputs, pattern) in bad.items():
         bodies, error = _raw(triton_server["grpc"], inputs)
         assert error is not None and not bodies, kind
         assert re.search(pattern, error), (kind, error)
         ok = client.query("still there?", settings={"max_tokens": 2})
         assert ok["finish_reason"] in ("stop", "length"), kind
-    assert metric(metrics_text(triton_server), "kestrel_requests_total", outcome="invalid") >= 15
+    text = metrics_text(triton_server)
+    assert metric(text, "kestrel_requests_total", outcome="invalid") >= 20
+    assert metric(text, "kestrel_engine_state", state="kv_pages_used") == 0
+
+
+def test_one_pixel_image_is_served(client):
+    one = pyvips.Image.new_from_array(np.full((1, 1, 3), 200, np.uint8)).pngsave_buffer()
+    assert client.caption(one, settings={"max_tokens": 3})["finish_reason"] in ("stop", "length")
+
+
+def test_secrets_are_never_logged(triton_server, client):
+    client.query("hello", settings={"max_tokens": 2})
+    assert "hf_secret_token_must_not_be_logged" not in triton_server["log"].read_text()
 
 
 def test_concurrent_streams_with_cancellations_and_metrics(triton_server, image):

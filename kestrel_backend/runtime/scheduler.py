@@ -37,6 +37,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = False
         self.steps = 0
+        self.consecutive_failures = 0  # steps failing back to back: the device may be unusable
         self.fault_injector = None  # tests: a callable run inside each step
 
     def add(self, seq: Sequence) -> None:
@@ -79,8 +80,10 @@ class Scheduler:
                     if seq in new:
                         seq.prefill_ms = elapsed_ms
                     self._advance(seq, logits, hidden)
+            self.consecutive_failures = 0
         except Exception as e:  # fail this step's requests only; the engine keeps serving
             log.exception("engine step failed")
+            self.consecutive_failures += 1
             for seq in batch:
                 self._end(seq, error=EngineError(f"inference step failed: {type(e).__name__}: {e}"))
         self.steps += 1

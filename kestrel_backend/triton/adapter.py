@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import time
 import uuid
 
@@ -116,13 +117,23 @@ class TritonAdapter:
         return result
 
     async def _watch(self) -> None:
-        """Cancel requests whose client went away; keep the engine gauges fresh."""
+        """Cancel requests whose client went away; keep the engine gauges fresh; stop an unhealthy server."""
         while True:
             for task, sender in list(self._inflight.items()):
                 if sender.is_cancelled():
                     task.cancel()
             self.metrics.engine_state(self.engine.stats())
+            if not self.engine.healthy:
+                self._stop_server()
+                return
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+    def _stop_server(self) -> None:
+        """The engine cannot serve (device unusable): ask tritonserver (our parent) to shut down. Readiness
+        turns false at once and the process exits, so the container restarts (Kubernetes restarts the pod)."""
+        log.critical("engine unhealthy (%d inference steps failed in a row): shutting tritonserver down",
+                     self.engine.scheduler.consecutive_failures)
+        os.kill(os.getppid(), signal.SIGTERM)
 
     # --- sending ---
     def _send(self, sender, body: dict, final: bool) -> None:
