@@ -34,6 +34,7 @@ class RuntimeConfig:
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 50_000_000
     max_objects: int = 150
+    chaos_fail_after_steps: int = 0  # chaos testing: every step after this many fails (0: off)
 
     ENV = {
         "model_path": "KESTREL_MODEL_PATH", "model": "KESTREL_MODEL", "revision": "KESTREL_REVISION",
@@ -41,7 +42,7 @@ class RuntimeConfig:
         "max_queue": "KESTREL_MAX_QUEUE", "page_size": "KESTREL_PAGE_SIZE", "kv_pages": "KESTREL_KV_PAGES",
         "max_context": "KESTREL_MAX_CONTEXT", "image_cache_size": "KESTREL_IMAGE_CACHE_SIZE",
         "max_image_bytes": "KESTREL_MAX_IMAGE_BYTES", "max_image_pixels": "KESTREL_MAX_IMAGE_PIXELS",
-        "max_objects": "KESTREL_MAX_OBJECTS",
+        "max_objects": "KESTREL_MAX_OBJECTS", "chaos_fail_after_steps": "KESTREL_CHAOS_FAIL_AFTER_STEPS",
     }
 
     @classmethod
@@ -72,7 +73,7 @@ class RuntimeConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.ENV[name]} must be at least 1, got {getattr(self, name)}")
-        for name in ("kv_pages", "max_context"):
+        for name in ("kv_pages", "max_context", "chaos_fail_after_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.ENV[name]} must be 0 (automatic) or positive, got {getattr(self, name)}")
         if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -74,6 +74,10 @@ class InferenceEngine:
         self._admitting = 0
         self.loop = asyncio.new_event_loop()
         self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size)
+        if config.chaos_fail_after_steps:
+            log.warning("KESTREL_CHAOS_FAIL_AFTER_STEPS=%d: every step after that many will fail (chaos testing)",
+                        config.chaos_fail_after_steps)
+            self.scheduler.fault_injector = _chaos(self.scheduler, config.chaos_fail_after_steps)
         self._thread = threading.Thread(target=self._run_loop, name="kestrel-engine", daemon=True)
         self._started = threading.Event()
         self._thread.start()
@@ -102,7 +106,7 @@ class InferenceEngine:
             return
         self.loop.call_soon_threadsafe(self.scheduler.stop)
         self._thread.join(timeout)
-        self._decoders.shutdown(wait=False, cancel_futures=True)
+        self._decoders.shutdown(wait=True, cancel_futures=True)
         if not self._thread.is_alive():
             self.loop.close()
 
@@ -218,6 +222,13 @@ class InferenceEngine:
             self.scheduler.add(seq)
         finally:
             self._admitting -= 1
+
+
+def _chaos(scheduler: Scheduler, after: int):
+    def fail_late_steps(batch):
+        if scheduler.steps >= after:
+            raise RuntimeError("chaos: injected device failure")
+    return fail_late_steps
 
 
 def _new_positions(skill: str, settings: Settings, reasoning: bool) -> int:

@@ -234,3 +234,19 @@ def test_bad_inputs_are_named(engine):
     assert "max_tokens" in asyncio.run(run(engine.query(None, "hi", settings={"max_tokens": -1})))
     assert "unknown key" in asyncio.run(run(engine.query(None, "hi", settings={"temprature": 1})))
     assert "too long" in asyncio.run(run(engine.query(None, "word " * 3000)))
+
+
+def test_shutdown_ends_in_flight_requests_with_an_error(tiny_dir):
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32"))
+
+    async def run():
+        stream = await eng.query(None, "long answer", stream=True, settings={"max_tokens": 2000})
+        async for _ in stream:
+            break
+        await asyncio.to_thread(eng.shutdown)
+        with pytest.raises(EngineError, match="shut down"):
+            await stream.result()
+
+    asyncio.run(run())
+    assert not eng._thread.is_alive()
+    assert not [t for t in eng._decoders._threads if t.is_alive()]  # no thread left behind

@@ -66,3 +66,33 @@ def test_load_with_cancellations_and_overflow(small_server, tiny_dir):
     assert metric(text, "kestrel_engine_state", state="kv_pages_used") == 0
     assert metric(text, "kestrel_requests_total", outcome="overloaded") >= 1
     assert urllib.request.urlopen(small_server["http"] + "/v2/health/ready").status == 200
+
+
+def test_unusable_device_turns_readiness_false_and_the_server_exits(tmp_path):
+    """Every step after the 4th fails (chaos knob): requests get errors, then the server shuts down."""
+    server = TritonProcess(tmp_path, KESTREL_CHAOS_FAIL_AFTER_STEPS="4")
+    try:
+        from client import MoondreamClient
+
+        client = MoondreamClient(server["grpc"], timeout=60)
+        assert client.query("fine", settings={"max_tokens": 2})["finish_reason"] in ("stop", "length")
+        errors = []
+        for _ in range(3):
+            try:
+                client.query("fail", settings={"max_tokens": 20})
+            except MoondreamError as e:
+                errors.append(str(e))
+        assert errors and all("inference step failed" in e for e in errors), errors
+        deadline = time.time() + 60
+        ready = True
+        while time.time() < deadline and server.proc.poll() is None:
+            try:
+                ready = urllib.request.urlopen(server["http"] + "/v2/health/ready", timeout=2).status == 200
+            except OSError:
+                ready = False
+            time.sleep(0.2)
+        assert not ready
+        assert server.proc.wait(60) is not None  # the process is gone: the container/pod restarts
+        assert "engine unhealthy" in server.log.read_text()
+    finally:
+        server.stop()
