@@ -67,7 +67,7 @@ class Checker:
         return diff == 0, f"tiling {tiling}, max abs diff {diff}"
 
     def check_image_embedding(self, case):
-        diff, rel = _rel_diff(self.embedding(case["image"]).float().numpy(), self.arrays[case["embedding"]])
+        diff, rel = _rel_diff(self.embedding(case["image"]).float().cpu().numpy(), self.arrays[case["embedding"]])
         return rel <= REL_TOL, f"max abs diff {diff:.3g} (rel {rel:.3g})"
 
     def _prompt(self, case, ids):
@@ -77,7 +77,7 @@ class Checker:
         return Prompt(ids, image)
 
     def _compare_text(self, case, gen, first_logits, tokens):
-        diff, rel = _rel_diff(first_logits.numpy(), self.arrays[case["logits"]][0])
+        diff, rel = _rel_diff(first_logits.cpu().numpy(), self.arrays[case["logits"]][0])
         ok = rel <= REL_TOL and tokens == case["tokens"]
         msg = f"logits max abs diff {diff:.3g} (rel {rel:.3g}), tokens {'equal' if tokens == case['tokens'] else 'DIFFER'}"
         return ok, msg
@@ -105,7 +105,7 @@ class Checker:
         tok = self.model.config.tokenizer
         gen = RegionGeneration(tok, Settings(max_objects=case["max_objects"]), self.model, with_size=skill == "detect")
         logits = run_single(self.model, self._prompt(case, region_prompt(tok, skill, case["object_ids"])), gen)
-        diff, rel = _rel_diff(logits.numpy(), self.arrays[case["logits"]][0])
+        diff, rel = _rel_diff(logits.cpu().numpy(), self.arrays[case["logits"]][0])
         ref = case[key]
         if len(gen.objects) != len(ref):
             return False, f"{len(gen.objects)} objects, expected {len(ref)}"

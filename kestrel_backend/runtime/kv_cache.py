@@ -15,7 +15,8 @@ class PagedKVCache:
     def __init__(self, config: TextConfig, num_pages: int, page_size: int, device, dtype):
         self.page_size = page_size
         self.num_pages = num_pages
-        shape = (config.n_layers, num_pages * page_size, config.n_kv_heads, config.head_dim)
+        self.scratch_page = num_pages  # one extra page outside the free list: padding rows of a graph write here
+        shape = (config.n_layers, (num_pages + 1) * page_size, config.n_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))

@@ -17,6 +17,7 @@ import torch
 from ..errors import EngineError, RequestCancelled
 from ..model.moondream import Moondream
 from ..skills.generation import ReasoningThenAnswer, RegionGeneration
+from ..skills.sampling import choose_tokens
 from .attention import SeqSlice, TorchPagedAttention
 from .image_cache import ImageCache
 from .kv_cache import PagedKVCache
@@ -25,13 +26,24 @@ from .sequence import EngineResult, Sequence, StreamChunk
 log = logging.getLogger("kestrel.scheduler")
 
 
+def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int):
+    """CUDA graphs + the Triton decode kernel on a GPU; None (torch attention) elsewhere."""
+    if model.device.type != "cuda":
+        return None
+    from .cuda_decode import CudaGraphDecoder
+
+    return CudaGraphDecoder(model, cache, max_batch, max_context)
+
+
 class Scheduler:
-    def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int):
+    def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
+                 decoder=None):
         self.model = model
         self.cache = cache
         self.images = image_cache
         self.max_batch_size = max_batch_size
         self.attention = TorchPagedAttention(cache)
+        self.decoder = decoder
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wake = asyncio.Event()
@@ -66,7 +78,8 @@ class Scheduler:
         for seq in [s for s in list(self.waiting) + self.running if s.delivery.cancelled.is_set()]:
             self._end(seq, error=RequestCancelled("request cancelled"))
         new = self._admit()
-        batch = new + [s for s in self.running if s not in new]
+        decoding = [s for s in self.running if s not in new]
+        batch = new + decoding
         if not batch:
             return
         t0 = time.perf_counter()
@@ -74,12 +87,17 @@ class Scheduler:
             with torch.inference_mode():
                 if self.fault_injector:
                     self.fault_injector(batch)
-                outputs = self._forward(new, batch)
-                elapsed_ms = (time.perf_counter() - t0) * 1000
-                for seq, (logits, hidden) in zip(batch, outputs):
-                    if seq in new:
-                        seq.prefill_ms = elapsed_ms
-                    self._advance(seq, logits, hidden)
+                outputs = []
+                if new:  # prefill: whole prompts, torch attention
+                    outputs.append((new, *self._forward_flat(new, prefill=True)))
+                    for seq in new:
+                        seq.prefill_ms = (time.perf_counter() - t0) * 1000
+                if decoding:  # one input per running sequence
+                    outputs.append((decoding, *self._decode(decoding)))
+                for seqs, logits, hidden in outputs:
+                    tokens = choose_tokens(logits, [seq.generation.choice() for seq in seqs])
+                    for seq, token, h in zip(seqs, tokens, hidden):
+                        self._advance(seq, token, h)
             self.consecutive_failures = 0
         except Exception as e:  # fail this step's requests only; the engine keeps serving
             log.exception("engine step failed")
@@ -117,34 +135,50 @@ class Scheduler:
         seq.prefix_len = emb.shape[0] + 1
         seq.next_input = self.model.image_prefix(emb)
 
-    def _forward(self, new: list[Sequence], batch: list[Sequence]):
+    def _inputs(self, seqs: list[Sequence]) -> torch.Tensor:
+        """This step's input embedding of each running sequence: a token's, or a region head's."""
         m = self.model
-        pieces, slices, start = [], [], 0
-        for seq in batch:
-            if seq in new:
+        ids = [seq.next_input if isinstance(seq.next_input, int) else 0 for seq in seqs]
+        x = m.embed_tokens(ids)
+        for i, seq in enumerate(seqs):
+            if not isinstance(seq.next_input, int):
+                x[i] = seq.next_input.reshape(-1)
+        return x
+
+    def _decode(self, seqs: list[Sequence]):
+        if self.decoder is None:
+            return self._forward_flat(seqs, prefill=False)
+        logits, hidden = self.decoder.run(self._inputs(seqs), [s.id for s in seqs], [s.length for s in seqs])
+        for seq in seqs:
+            seq.length += 1
+        return logits, hidden
+
+    def _forward_flat(self, seqs: list[Sequence], prefill: bool):
+        """One forward over a flat token list (whole prompts, or one input each) with torch attention."""
+        m = self.model
+        pieces = []
+        if prefill:
+            for seq in seqs:
                 x = m.embed_tokens(seq.token_ids)
-                if seq.prefix_len:
-                    x = torch.cat([seq.next_input, x], dim=0)
-            elif isinstance(seq.next_input, int):
-                x = m.embed_tokens([seq.next_input])
-            else:
-                x = seq.next_input.reshape(1, -1)
+                pieces.append(torch.cat([seq.next_input, x], dim=0) if seq.prefix_len else x)
+        else:
+            pieces = list(self._inputs(seqs)[:, None, :])
+        slices, start = [], 0
+        for seq, x in zip(seqs, pieces):
             positions = torch.arange(seq.length, seq.length + x.shape[0], device=m.device)
             slices.append(SeqSlice(seq.id, start, start + x.shape[0], positions, seq.prefix_len))
-            pieces.append(x)
             start += x.shape[0]
             seq.length += x.shape[0]
         self.attention.plan(slices)
         hidden = m.forward(torch.cat(pieces), torch.cat([s.positions for s in slices]), self.attention)
         last = hidden[[s.end - 1 for s in slices]]
-        logits = m.logits(last)
-        return list(zip(logits, last))
+        return m.logits(last), last
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    def _advance(self, seq: Sequence, token: int, hidden: torch.Tensor) -> None:
         if not seq.t_first:
             seq.t_first = time.perf_counter()
         gen = seq.generation
-        nxt = gen.on_output(logits, hidden)
+        nxt = gen.on_output(token, hidden)
         self._stream(seq)
         if nxt is None:
             self._end(seq)

@@ -1,9 +1,11 @@
 """Per-request decode state machines.
 
 Every model step consumes one input per sequence (a token id or an embedding) and yields that
-position's logits and hidden state. A Generation looks at them and says what to feed next, or
-None when it is done. The same objects run alone (single.py) or inside the engine's batch, so
-heterogeneous skills share one decode step.
+position's logits and hidden state. Before the step's tokens are chosen (all rows at once, see
+sampling.py) each Generation says how it wants its token chosen (`choice()`); then `on_output`
+gets that token and the hidden state and says what to feed next, or None when it is done. The
+same objects run alone (single.py) or inside the engine's batch, so heterogeneous skills share
+one decode step.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.config import TokenizerConfig
-from .sampling import sample
+from .sampling import Choice
 from .settings import Settings
 
 NextInput = int | torch.Tensor | None
@@ -34,38 +36,36 @@ class Generation:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def on_output(self, logits: torch.Tensor, hidden: torch.Tensor) -> NextInput:
+    def choice(self) -> Choice:
+        """How this step's token is chosen (default: greedy)."""
+        return Choice()
+
+    def on_output(self, token: int, hidden: torch.Tensor) -> NextInput:
         raise NotImplementedError
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
 
 
-def _generator(settings: Settings) -> torch.Generator | None:
-    if settings.temperature == 0:
-        return None
-    g = torch.Generator()
-    if settings.seed is None:
-        g.seed()
-    else:
-        g.manual_seed(settings.seed)
-    return g
+def _seed(settings: Settings) -> int:
+    return settings.seed if settings.seed is not None else int(torch.randint(0, 2**62, ()).item())
 
 
 class TextGeneration(Generation):
     """Answer or caption text: stop at EOS or max_tokens; the answer marker is banned after the first token."""
 
-    def __init__(self, tok: TokenizerConfig, settings: Settings):
+    def __init__(self, tok: TokenizerConfig, settings: Settings, seed: int | None = None):
         self.tok, self.settings = tok, settings
         self.tokens: list[int] = []
-        self._first = True
-        self._gen = _generator(settings)
+        self._steps = 0
+        self._seed = _seed(settings) if seed is None else seed
 
-    def on_output(self, logits, hidden) -> NextInput:
-        if not self._first:
-            logits[self.tok.answer_id] = float("-inf")
-        self._first = False
-        token = sample(logits, self.settings.temperature, self.settings.top_p, self._gen)
+    def choice(self) -> Choice:
+        banned = (self.tok.answer_id,) if self._steps else ()
+        return Choice(self.settings.temperature, self.settings.top_p, self._seed, self._steps, banned)
+
+    def on_output(self, token, hidden) -> NextInput:
+        self._steps += 1
         if token == self.tok.eos_id:
             self._finish("stop")
             return None
@@ -91,25 +91,27 @@ class ReasoningThenAnswer(Generation):
         self.chunks: list[list[int]] = [[]]  # reasoning split at grounding markers
         self.coords: list[list[float]] = [[]]
         self.answer: TextGeneration | None = None
-        self._first = True
-        self._gen = _generator(settings)
+        self._steps = 0
+        self._seed = _seed(settings)
 
     @property
     def tokens(self) -> list[int]:
         return self.answer.tokens if self.answer else []
 
-    def on_output(self, logits, hidden) -> NextInput:
+    def choice(self) -> Choice:
         if self.answer is not None:
-            nxt = self.answer.on_output(logits, hidden)
+            return self.answer.choice()
+        banned = (self.tok.eos_id, self.tok.size_id) if self._steps else ()
+        return Choice(self.settings.temperature, self.settings.top_p, self._seed, self._steps, banned)
+
+    def on_output(self, token, hidden) -> NextInput:
+        if self.answer is not None:
+            nxt = self.answer.on_output(token, hidden)
             self.finish_reason = self.answer.finish_reason
             return nxt
-        if not self._first:
-            logits[self.tok.eos_id] = float("-inf")
-            logits[self.tok.size_id] = float("-inf")
-        self._first = False
-        token = sample(logits, self.settings.temperature, self.settings.top_p, self._gen)
+        self._steps += 1
         if token == self.tok.answer_id or len(self.reasoning_tokens) >= self.settings.max_tokens:
-            self.answer = TextGeneration(self.tok, self.settings)
+            self.answer = TextGeneration(self.tok, self.settings, seed=self._seed + 1)
             return self.tok.templates["query"]["suffix"][0]
         if token in (self.tok.start_ground_points_id, self.tok.end_ground_id):
             self.chunks.append([])
@@ -133,10 +135,10 @@ class RegionGeneration(Generation):
         self._state = "token"
         self._x = self._y = None
 
-    def on_output(self, logits, hidden) -> NextInput:
+    def on_output(self, token, hidden) -> NextInput:
         m = self.model
         if self._state == "token":
-            if int(torch.argmax(logits)) == self.tok.eos_id:
+            if token == self.tok.eos_id:
                 self._finish("stop")
                 return None
             if len(self.objects) >= self.max_objects:

@@ -7,6 +7,7 @@ import torch
 from ..model.moondream import Moondream
 from ..model.text import DenseCache
 from .generation import Generation, Prompt
+from .sampling import choose_tokens
 
 
 @torch.inference_mode()
@@ -27,7 +28,8 @@ def run_single(model: Moondream, prompt: Prompt, generation: Generation) -> torc
         logits = model.logits(hidden)
         if first_logits is None:
             first_logits = logits.clone()
-        nxt = generation.on_output(logits, hidden)
+        token = choose_tokens(logits[None], [generation.choice()])[0]
+        nxt = generation.on_output(token, hidden)
         if nxt is None:
             return first_logits
         pos = int(positions[-1]) + 1

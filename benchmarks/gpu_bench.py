@@ -1,0 +1,294 @@
+"""GPU benchmarks with FULL-SIZE Moondream 2 random bf16 weights (their speed is the real one).
+
+    python benchmarks/gpu_bench.py --out results.json [--quick]
+
+(0) the two ceilings measured here: device copy bandwidth and bf16 matmul rate;
+(1) decode step time vs batch size next to its floor (text weights + KV bytes over measured bandwidth);
+(2) vision encode time per crop next to its FLOP floor;
+(3) end-to-end engine throughput for query-with-image at several concurrencies;
+(4) correctness on the GPU: the golden tiny fixture in float32 (must pass) and in bf16 (agreement reported).
+Prints tables and writes everything as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kestrel_backend.config import RuntimeConfig  # noqa: E402
+from kestrel_backend.engine import InferenceEngine  # noqa: E402
+from kestrel_backend.model import vision  # noqa: E402
+from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
+from kestrel_backend.model.moondream import Moondream  # noqa: E402
+from kestrel_backend.model.weights import random_weights  # noqa: E402
+from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
+from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention  # noqa: E402
+from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder, paged_decode_attention  # noqa: E402
+
+
+def timed(fn, warmup=3, iters=20) -> float:
+    """Median milliseconds of fn() with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 1 GiB
+    src, dst = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16), torch.empty(n // 2, device="cuda", dtype=torch.bfloat16)
+    ms = timed(lambda: dst.copy_(src))
+    bw = 2 * n / (ms / 1000)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms_mm = timed(lambda: a @ b, iters=10)
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return {"copy_bandwidth_GBps": bw / 1e9, "bf16_matmul_TFLOPs": 2 * 8192**3 / (ms_mm / 1000) / 1e12}
+
+
+def text_weight_bytes(config: MoondreamConfig) -> int:
+    t = config.text
+    per_layer = t.dim * (t.dim + 2 * t.n_kv_heads * t.head_dim) + t.dim * t.dim + 2 * t.dim * t.ff_dim
+    return 2 * (t.n_layers * per_layer + t.dim * t.vocab_size)
+
+
+def decode_steps(model: Moondream, batches, context: int, bandwidth: float, backend: str) -> list[dict]:
+    """One decode step (forward + LM head + argmax) for `batch` sequences holding `context` tokens each."""
+    cfg = model.config.text
+    rows = []
+    for bsz in batches:
+        cache = PagedKVCache(cfg, bsz * (-(-(context + 1) // 16)), 16, "cuda", torch.bfloat16)
+        for i in range(bsz):
+            cache.allocate(i, context + 1)
+        cache.k.normal_()
+        cache.v.normal_()
+        x = torch.randn(bsz, cfg.dim, device="cuda", dtype=torch.bfloat16)
+        if backend == "graph":
+            decoder = CudaGraphDecoder(model, cache, bsz, context + 1)
+            ids, positions = list(range(bsz)), [context] * bsz
+
+            def step():
+                return decoder.run(x, ids, positions)[0].argmax(-1)
+        else:
+            attention = TorchPagedAttention(cache)
+            pos = torch.full((1,), context, device="cuda")
+            slices = [SeqSlice(i, i, i + 1, pos, 730) for i in range(bsz)]
+            positions_t = torch.full((bsz,), context, device="cuda")
+
+            def step():
+                attention.plan(slices)
+                return model.logits(model.forward(x, positions_t, attention)).argmax(-1)
+
+        with torch.inference_mode():
+            ms = timed(step)
+        kv_bytes = bsz * (context + 1) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+        floor = (text_weight_bytes(model.config) + kv_bytes) / bandwidth * 1000
+        rows.append({"backend": backend, "batch": bsz, "context": context, "step_ms": ms, "floor_ms": floor,
+                     "ratio": ms / floor, "tokens_per_s": bsz / ms * 1000})
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def kernel_check() -> dict:
+    """The Triton decode kernel against torch SDPA on fresh random data, scattered pages."""
+    from kestrel_backend.model.text import masked_attention
+
+    torch.manual_seed(0)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        b, h, d, page, lens = 5, 32, 64, 16, [1, 17, 730, 800, 1500]
+        n_pages = sum(-(-n // page) for n in lens) + 3
+        k = torch.randn(n_pages * page, h, d, device="cuda", dtype=dtype)
+        v = torch.randn_like(k)
+        perm = torch.randperm(n_pages, device="cuda").tolist()
+        tables = torch.zeros(b, max(lens) // page + 1, dtype=torch.int32, device="cuda")
+        used = 0
+        for i, n in enumerate(lens):
+            need = -(-n // page)
+            tables[i, :need] = torch.tensor(perm[used:used + need], dtype=torch.int32)
+            used += need
+        q = torch.randn(b, h, d, device="cuda", dtype=dtype)
+        got = torch.full_like(q, float("nan"))
+        got.copy_(paged_decode_attention(q, k, v, tables, torch.tensor(lens, dtype=torch.int32, device="cuda"), page))
+        errs = []
+        for i, n in enumerate(lens):
+            pos = torch.arange(n, device="cuda")
+            rows = tables[i, pos // page].long() * page + pos % page
+            ref = masked_attention(q[i:i + 1].double(), k[rows].double(), v[rows].double(),
+                                   torch.ones(1, n, dtype=torch.bool, device="cuda"))
+            errs.append(float((got[i:i + 1].double() - ref).norm() / ref.norm()))
+        out[str(dtype)] = max(errs)
+    return out
+
+
+def engine_golden_check() -> dict:
+    """The whole GPU engine path (prefill, CUDA-graph decode, Triton kernel, batched sampling) in float32
+    against the reference's greedy tokens and boxes on the tiny fixture, 16 mixed requests at once."""
+    fixture = ROOT / "tests" / "fixtures" / "md2-tiny"
+    cases = [c for c in json.loads((fixture / "cases.json").read_text())["cases"]
+             if c["kind"] in ("query", "caption", "point", "detect")]
+    engine = InferenceEngine.create(RuntimeConfig(model_path=str(fixture), device="cuda", dtype="float32",
+                                                  max_batch_size=16))
+    try:
+        def submit(c):
+            image = (fixture / c["image"]).read_bytes() if c["image"] else None
+            if c["kind"] == "query":
+                return engine.submit_tokens("query", image, c["question_ids"], {"temperature": 0, "max_tokens": 24},
+                                            reasoning=c.get("reasoning", False))
+            if c["kind"] == "caption":
+                return engine.submit_tokens("caption", image, c["prompt_ids"], {"temperature": 0, "max_tokens": 24})
+            return engine.submit_tokens(c["kind"], image, c["object_ids"], {"max_objects": 5})
+
+        async def run():
+            batch = (cases * 2)[:16]
+            return batch, await asyncio.gather(*[submit(c) for c in batch])
+
+        batch, results = asyncio.run(run())
+        ok = 0
+        tok = engine.model.tokenizer
+        for c, r in zip(batch, results):
+            if c["kind"] in ("query", "caption"):
+                ok += r.output["answer" if c["kind"] == "query" else "caption"] == tok.decode(c["tokens"])
+            else:
+                key = "points" if c["kind"] == "point" else "objects"
+                ok += len(r.output[key]) == len(c[key]) and all(
+                    abs(o[k] - min(1.0, max(0.0, g[k]))) <= 1e-4 for o, g in zip(r.output[key], c[key]) for k in g)
+        return {"engine_fp32_golden_equal": f"{ok}/{len(batch)}", "pages_free_after": engine.kv.pages_free == engine.kv.num_pages}
+    finally:
+        engine.shutdown()
+
+
+def vision_bench(model: Moondream, rate: float) -> dict:
+    v = model.config.vision
+    n = 13  # a full 12-tile image plus its global crop
+    crops = torch.randn(n, 3, v.crop_size, v.crop_size, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ms = timed(lambda: vision.encode_crops(crops, model.weights.vision, v), iters=10)
+    tokens, d = v.grid * v.grid, v.enc_dim
+    per_layer = 2 * tokens * d * (3 * d + d + 2 * v.enc_ff_dim) + 2 * 2 * tokens * tokens * d
+    flops = n * (v.enc_n_layers * per_layer + 2 * tokens * 3 * v.enc_patch_size**2 * d)
+    floor = flops / rate * 1000
+    return {"crops": n, "ms": ms, "ms_per_crop": ms / n, "floor_ms_per_crop": floor / n, "ratio": ms / floor}
+
+
+def e2e_bench(model: Moondream, concurrencies, max_tokens: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    import pyvips
+
+    images = [pyvips.Image.new_from_array(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).jpegsave_buffer()
+              for _ in range(8)]
+    rows = []
+    for conc in concurrencies:
+        engine = InferenceEngine(RuntimeConfig(device="cuda", dtype="bfloat16", max_batch_size=max(concurrencies),
+                                               max_queue=4096), model)
+        try:
+            async def one(i):
+                t0 = time.perf_counter()
+                r = await engine.query(images[i % len(images)], "Describe this image.",
+                                       settings={"temperature": 0, "max_tokens": max_tokens})
+                return time.perf_counter() - t0, r
+
+            async def run(n):
+                return await asyncio.gather(*[one(i) for i in range(n)])
+
+            asyncio.run(run(min(conc, 4)))  # warm-up (and the image cache)
+            t0 = time.perf_counter()
+            out = asyncio.run(run(conc * 2))
+            wall = time.perf_counter() - t0
+            ttft = sorted(r.metrics["ttft_ms"] for _, r in out)
+            tokens = sum(r.metrics["output_tokens"] for _, r in out)
+            rows.append({"concurrency": conc, "requests": len(out), "req_per_s": len(out) / wall,
+                         "output_tok_per_s": tokens / wall, "ttft_p50_ms": ttft[len(ttft) // 2],
+                         "ttft_p95_ms": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))]})
+        finally:
+            engine.shutdown()
+    return rows
+
+
+def correctness() -> dict:
+    from kestrel_backend import parity
+
+    fixture = ROOT / "tests" / "fixtures" / "md2-tiny"
+    out = {}
+    checker = parity.Checker(fixture)
+    checker.model = Moondream.from_checkpoint(fixture, dtype=torch.float32, device="cuda")
+    results = [checker.run(c) for c in checker.cases]
+    out["fp32_cuda_passed"] = sum(ok for ok, _ in results)
+    out["fp32_cuda_cases"] = len(results)
+    checker = parity.Checker(fixture)
+    checker.model = Moondream.from_checkpoint(fixture, dtype=torch.bfloat16, device="cuda")
+    same = total = 0
+    for c in checker.cases:
+        if c["kind"] in ("query", "caption"):
+            _, msg = checker.run(c)
+            total += 1
+            same += "tokens equal" in msg
+    out["bf16_cuda_token_sequences_equal"] = f"{same}/{total}"
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    return "\n".join([" | ".join(keys)] + [" | ".join(fmt(r[k]) for k in keys) for r in rows])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="gpu_bench.json")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    import triton
+
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "date": time.strftime("%Y-%m-%d")}
+    res["correctness"] = correctness()
+    res["correctness"]["triton_kernel_max_rel_err"] = kernel_check()
+    res["correctness"].update(engine_golden_check())
+    print("correctness", res["correctness"], flush=True)
+    res["ceilings"] = ceilings()
+    print("ceilings", res["ceilings"], flush=True)
+    config = MoondreamConfig()
+    model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
+    from kestrel_backend.model.tokenizer import load_tokenizer
+
+    model.tokenizer = load_tokenizer(ROOT / "tests" / "fixtures" / "md2-tiny")
+    batches = [1, 8, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
+    for ctx in (64, 800):
+        rows = []
+        for backend in ("graph", "torch"):
+            rows += decode_steps(model, batches if backend == "graph" else batches[:2], ctx,
+                                 res["ceilings"]["copy_bandwidth_GBps"] * 1e9, backend)
+        res[f"decode_ctx{ctx}"] = rows
+        print(f"\ndecode steps, context {ctx}\n" + table(rows), flush=True)
+    res["vision"] = vision_bench(model, res["ceilings"]["bf16_matmul_TFLOPs"] * 1e12)
+    print("\nvision", res["vision"], flush=True)
+    res["e2e"] = e2e_bench(model, [1, 8] if args.quick else [1, 4, 16, 64], max_tokens=64)
+    print("\nend to end (query with image, 64 tokens)\n" + table(res["e2e"]), flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
