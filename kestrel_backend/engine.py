@@ -123,7 +123,7 @@ class InferenceEngine:
         s = self.scheduler
         return {"pages_total": self.kv.num_pages, "pages_used": self.kv.pages_used, "pages_free": self.kv.pages_free,
                 "queue_depth": len(s.waiting) + self._admitting, "running": len(s.running),
-                "image_cache_hits": self.images.hits, "image_cache_misses": self.images.misses}
+                "images_encoded": s.images_encoded, "images_cached": len(self.images)}
 
     # --- public API ---
     async def query(self, image: bytes | None = None, question: str = "", reasoning: bool = False,
@@ -173,6 +173,9 @@ class InferenceEngine:
         ids = region_prompt(self.model.config.tokenizer, skill, self.model.tokenizer.encode(" " + obj).ids)
         return await self._submit(skill, self._need_image(image), ids, self._settings(settings), False)
 
+    def _crop(self, data: bytes):
+        return self.model.crop_image(decode_image(data, self.image_limits))
+
     def _generation(self, skill: str, settings: Settings, reasoning: bool) -> Generation:
         tok = self.model.config.tokenizer
         if skill in ("point", "detect"):
@@ -200,13 +203,13 @@ class InferenceEngine:
             raise EngineOverloaded(f"server overloaded: {self.config.max_queue} requests already queued; retry later")
         self._admitting += 1
         try:
-            key = pixels = None
+            key = cropped = None
             if image is not None:
                 if not isinstance(image, (bytes, bytearray)):
                     raise InvalidRequest("IMAGE must be encoded image bytes")
                 key = image_key(bytes(image))
-                if key not in self.images:
-                    pixels = await self.loop.run_in_executor(self._decoders, decode_image, bytes(image), self.image_limits)
+                if key not in self.images:  # decode and crop off the engine thread
+                    cropped = await self.loop.run_in_executor(self._decoders, self._crop, bytes(image))
             tok = self.model.config.tokenizer
             if skill == "query":
                 ids = query_prompt(tok, ids, key is not None, reasoning)
@@ -220,7 +223,7 @@ class InferenceEngine:
             if self.kv.pages_for(capacity) > self.kv.num_pages:
                 raise InvalidRequest(f"request needs {self.kv.pages_for(capacity)} KV pages, the cache has {self.kv.num_pages}")
             detok = None if skill in ("point", "detect") else IncrementalDetokenizer(self.model.tokenizer)
-            seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, pixels=pixels,
+            seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, cropped=cropped,
                            reasoning=reasoning, capacity=capacity, detok=detok)
             self.scheduler.add(seq)
         finally:

@@ -213,13 +213,13 @@ def test_same_image_is_encoded_once(engine):
 
     pixels = np.random.default_rng(11).integers(0, 256, (200, 500, 3), dtype=np.uint8)
     image = pyvips.Image.new_from_array(pixels).pngsave_buffer()
-    before = engine.stats()["image_cache_misses"]
+    before = engine.stats()["images_encoded"]
 
     async def run():
         return await asyncio.gather(*[engine.query(image, f"q{i}", settings={"max_tokens": 2}) for i in range(5)])
 
     asyncio.run(run())
-    assert engine.stats()["image_cache_misses"] - before == 1
+    assert engine.stats()["images_encoded"] - before == 1
 
 
 def test_bad_inputs_are_named(engine):

@@ -38,6 +38,13 @@ class Moondream:
         """HxWx3 uint8 pixels -> [729, dim] image embedding."""
         return vision.encode_image(image, self.weights.vision, self.config.vision)
 
+    def crop_image(self, image: np.ndarray):
+        return vision.crop_image(image, self.config.vision)
+
+    def encode_cropped(self, cropped: list) -> list[torch.Tensor]:
+        """[(crops, tiling)] of several images -> their [729, dim] embeddings, encoded as one batch."""
+        return vision.encode_images(cropped, self.weights.vision, self.config.vision)
+
     def image_prefix(self, image_embedding: torch.Tensor) -> torch.Tensor:
         """BOS followed by the image: the 730 inputs that attend to each other bidirectionally."""
         bos = self.embed_tokens([self.config.tokenizer.bos_id])

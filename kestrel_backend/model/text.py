@@ -30,15 +30,30 @@ def rope_table(config: TextConfig, device=None) -> torch.Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1).to(device)
 
 
-def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D]: rotate the first rope_dim dims. Input halves are (real, imag); output interleaves them."""
-    rot = table.shape[1] * 2
+    rot = cos.shape[-1] * 2
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     real, imag = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
-    cos = table[positions, :, 0][:, None, :]
-    sin = table[positions, :, 1][:, None, :]
+    cos, sin = cos[:, None, :], sin[:, None, :]
     out = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1).flatten(-2)
     return torch.cat([out.to(x.dtype), x_pass], dim=-1)
+
+
+def split_qkv_with_rope(qkv: torch.Tensor, cos, sin, config: TextConfig):
+    """[T, q+k+v] -> q [T, H, D], k, v [T, Hkv, D] with q and k rotated."""
+    n, hd = qkv.shape[0], config.head_dim
+    q_dim, kv_dim = config.n_heads * hd, config.n_kv_heads * hd
+    if qkv.is_cuda:
+        from .rope_cuda import rope_qk_inplace
+
+        rope_qk_inplace(qkv, cos, sin, config.n_heads + config.n_kv_heads, hd)
+        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+        return q.view(n, config.n_heads, hd), k.view(n, config.n_kv_heads, hd), v.view(n, config.n_kv_heads, hd)
+    q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+    q = apply_rope(q.view(n, config.n_heads, hd), cos, sin)
+    k = apply_rope(k.view(n, config.n_kv_heads, hd), cos, sin)
+    return q, k, v.view(n, config.n_kv_heads, hd)
 
 
 def embed_tokens(ids: torch.Tensor, w: TextWeights) -> torch.Tensor:
@@ -49,15 +64,12 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
            rope: torch.Tensor, attention: Attention) -> torch.Tensor:
     """Run all blocks over x [T, dim] (tokens of one or many sequences) -> hidden [T, dim]."""
     n = x.shape[0]
-    hd = config.head_dim
-    q_dim, kv_dim = config.n_heads * hd, config.n_kv_heads * hd
+    cos, sin = rope[positions, :, 0], rope[positions, :, 1]  # gathered once per step, not per layer
     for i, block in enumerate(w.blocks):
         h = layer_norm(x, block.ln)
-        q, k, v = linear(h, block.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = apply_rope(q.view(n, config.n_heads, hd), rope, positions)
-        k = apply_rope(k.view(n, config.n_kv_heads, hd), rope, positions)
-        out = attention(i, q, k, v.view(n, config.n_kv_heads, hd))
-        x = x + linear(out.reshape(n, q_dim), block.proj) + mlp(h, block.mlp)
+        q, k, v = split_qkv_with_rope(linear(h, block.qkv), cos, sin, config)
+        out = attention(i, q, k, v)
+        x = x + linear(out.reshape(n, -1), block.proj) + mlp(h, block.mlp)
     return x
 
 

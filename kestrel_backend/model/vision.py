@@ -12,12 +12,18 @@ from .layers import layer_norm, linear, mlp
 from .weights import VisionWeights
 
 
-def prepare_crops(image: np.ndarray, config: VisionConfig, device, dtype) -> tuple[torch.Tensor, tuple[int, int]]:
-    """HxWx3 uint8 -> normalised crops [N, 3, crop, crop] in [-1, 1], and the tiling."""
-    crops, tiling = overlap_crops(image, config.crop_size, config.enc_patch_size, config.overlap_margin,
-                                  config.max_crops)
+CROPS_PER_BATCH = 64  # bounds the encoder's activation memory when many images arrive at once
+
+
+def crop_image(image: np.ndarray, config: VisionConfig) -> tuple[np.ndarray, tuple[int, int]]:
+    """HxWx3 uint8 -> (crops [N, crop, crop, 3] uint8, tiling): CPU work, fine off the device thread."""
+    return overlap_crops(image, config.crop_size, config.enc_patch_size, config.overlap_margin, config.max_crops)
+
+
+def normalise(crops: np.ndarray, device, dtype) -> torch.Tensor:
+    """[N, crop, crop, 3] uint8 -> [N, 3, crop, crop] in [-1, 1]."""
     x = torch.from_numpy(crops).to(device).permute(0, 3, 1, 2).to(dtype)
-    return x.div_(255.0).sub_(0.5).div_(0.5), tiling
+    return x.div_(255.0).sub_(0.5).div_(0.5)
 
 
 def patchify(x: torch.Tensor, patch: int) -> torch.Tensor:
@@ -52,6 +58,17 @@ def project(features: torch.Tensor, tiling: tuple[int, int], w: VisionWeights, c
     return mlp(torch.cat([features[0], pooled], dim=-1), w.proj_mlp)
 
 
+def encode_images(cropped: list[tuple[np.ndarray, tuple[int, int]]], w: VisionWeights,
+                  config: VisionConfig) -> list[torch.Tensor]:
+    """Several images' crops through the encoder together (batched), then each projected on its own."""
+    x = normalise(np.concatenate([crops for crops, _ in cropped]), w.pos_emb.device, w.pos_emb.dtype)
+    features = torch.cat([encode_crops(x[i:i + CROPS_PER_BATCH], w, config) for i in range(0, len(x), CROPS_PER_BATCH)])
+    out, start = [], 0
+    for crops, tiling in cropped:
+        out.append(project(features[start:start + len(crops)], tiling, w, config))
+        start += len(crops)
+    return out
+
+
 def encode_image(image: np.ndarray, w: VisionWeights, config: VisionConfig) -> torch.Tensor:
-    crops, tiling = prepare_crops(image, config, w.pos_emb.device, w.pos_emb.dtype)
-    return project(encode_crops(crops, w, config), tiling, w, config)
+    return encode_images([crop_image(image, config)], w, config)[0]

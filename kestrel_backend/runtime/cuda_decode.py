@@ -17,22 +17,29 @@ from .kv_cache import PagedKVCache
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, out_ptr, bt_stride, scale,
-                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
-    """One program per (sequence, head): online softmax over the sequence's pages."""
+def _paged_decode_kernel(q_ptr, k_new_ptr, v_new_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, slots_ptr,
+                         out_ptr, q_stride, kv_stride, bt_stride, scale, H: tl.constexpr, HKV: tl.constexpr,
+                         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (sequence, head): online softmax over the sequence's cached pages, then the new
+    token's own k/v (passed in; the first head of each kv group also stores them into the cache)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // (H // HKV)
-    seq_len = tl.load(seq_lens_ptr + b)
+    cached = tl.load(seq_lens_ptr + b) - 1
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + (b * H + h) * D + offs_d).to(tl.float32) * scale
-    m_i = tl.max(tl.full([1], float("-inf"), tl.float32), 0)
-    l_i = tl.sum(tl.zeros([1], tl.float32), 0)
-    acc = tl.zeros([D], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    q = tl.load(q_ptr + b * q_stride + h * D + offs_d).to(tl.float32) * scale
+    k_new = tl.load(k_new_ptr + b * kv_stride + kvh * D + offs_d)
+    v_new = tl.load(v_new_ptr + b * kv_stride + kvh * D + offs_d)
+    if h % (H // HKV) == 0:
+        slot = tl.load(slots_ptr + b)
+        tl.store(k_ptr + (slot * HKV + kvh) * D + offs_d, k_new)
+        tl.store(v_ptr + (slot * HKV + kvh) * D + offs_d, v_new)
+    m_i = tl.sum(q * k_new.to(tl.float32), 0)  # start the online softmax with the new token
+    l_i = m_i * 0 + 1.0
+    acc = v_new.to(tl.float32)
+    for start in range(0, cached, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        valid = offs_n < seq_len
+        valid = offs_n < cached
         page = tl.load(block_table_ptr + b * bt_stride + offs_n // PAGE, mask=valid, other=0)
         rows = page.to(tl.int64) * PAGE + offs_n % PAGE
         offs = (rows[:, None] * HKV + kvh) * D + offs_d[None, :]
@@ -48,13 +55,18 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, out
     tl.store(out_ptr + (b * H + h) * D + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, page_size: int) -> torch.Tensor:
-    """q [B, H, D]; caches [rows, Hkv, D]; block_tables [B, P] int32; seq_lens [B] int32 -> [B, H, D]."""
+def paged_decode_attention(q, k_new, v_new, k_cache, v_cache, block_tables, seq_lens, slots, page_size: int):
+    """Decode attention for one new token per sequence, which is also written into the cache.
+
+    q [B, H, D], k_new/v_new [B, Hkv, D] (rows may be strided, heads dense); caches [rows, Hkv, D];
+    block_tables [B, P] int32; seq_lens [B] int32 (including the new token); slots [B] int64 -> [B, H, D].
+    """
     bsz, heads, dim = q.shape
-    out = torch.empty_like(q)
-    _paged_decode_kernel[(bsz, heads)](q, k_cache, v_cache, block_tables, seq_lens, out, block_tables.stride(0),
-                                       dim ** -0.5, H=heads, HKV=k_cache.shape[1], D=dim, PAGE=page_size,
-                                       BLOCK_N=64, num_warps=4)
+    assert q.stride(2) == 1 and q.stride(1) == dim and k_new.stride(1) == dim and k_new.stride() == v_new.stride()
+    out = torch.empty(bsz, heads, dim, device=q.device, dtype=q.dtype)
+    _paged_decode_kernel[(bsz, heads)](q, k_new, v_new, k_cache, v_cache, block_tables, seq_lens, slots, out,
+                                       q.stride(0), k_new.stride(0), block_tables.stride(0), dim ** -0.5,
+                                       H=heads, HKV=k_cache.shape[1], D=dim, PAGE=page_size, BLOCK_N=64, num_warps=4)
     return out
 
 
@@ -68,10 +80,8 @@ class TritonDecodeAttention:
         self.slots = block_tables[rows, positions // p].long() * p + positions % p
 
     def __call__(self, layer: int, q, k, v):
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc.index_copy_(0, self.slots, k)
-        vc.index_copy_(0, self.slots, v)
-        return paged_decode_attention(q.contiguous(), kc, vc, self.block_tables, self.seq_lens, self.cache.page_size)
+        return paged_decode_attention(q, k, v, self.cache.k[layer], self.cache.v[layer], self.block_tables,
+                                      self.seq_lens, self.slots, self.cache.page_size)
 
 
 class CudaGraphDecoder:

@@ -16,15 +16,11 @@ class ImageCache:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.hits = self.misses = 0
 
     def get(self, key: str) -> torch.Tensor | None:
         emb = self._items.get(key)
-        if emb is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._items.move_to_end(key)
+        if emb is not None:
+            self._items.move_to_end(key)
         return emb
 
     def __contains__(self, key: str) -> bool:

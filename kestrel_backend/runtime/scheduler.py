@@ -49,7 +49,8 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = False
         self.steps = 0
-        self.consecutive_failures = 0  # steps failing back to back: the device may be unusable
+        self.consecutive_failures = 0
+        self.images_encoded = 0  # steps failing back to back: the device may be unusable
         self.fault_injector = None  # tests: a callable run inside each step
 
     def add(self, seq: Sequence) -> None:
@@ -113,27 +114,37 @@ class Scheduler:
             if self.cache.pages_for(seq.capacity) > self.cache.pages_free:
                 break  # wait for pages; FIFO keeps big requests from starving
             self.waiting.popleft()
-            try:
-                self._prepare_image(seq)
-            except Exception as e:
-                self._end(seq, error=EngineError(f"image encoding failed: {type(e).__name__}: {e}"))
-                continue
             self.cache.allocate(seq.id, seq.capacity)
             self.running.append(seq)
             new.append(seq)
-        return new
+        return self._attach_images(new)
 
-    def _prepare_image(self, seq: Sequence) -> None:
-        if seq.image_key is None:
-            return
-        emb = self.images.get(seq.image_key)
-        if emb is None:
-            with torch.inference_mode():
-                emb = self.model.encode_image(seq.pixels)
-            self.images.put(seq.image_key, emb)
-        seq.pixels = None
-        seq.prefix_len = emb.shape[0] + 1
-        seq.next_input = self.model.image_prefix(emb)
+    def _attach_images(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Image prefixes for newly admitted sequences: cached embeddings, else one batched encode."""
+        pending: dict[str, list[Sequence]] = {}
+        for seq in seqs:
+            if seq.image_key is not None and seq.image_key not in self.images:
+                pending.setdefault(seq.image_key, []).append(seq)
+        if pending:
+            try:
+                embeddings = self.model.encode_cropped([group[0].cropped for group in pending.values()])
+            except Exception as e:
+                log.exception("image encoding failed")
+                failed = [seq for group in pending.values() for seq in group]
+                for seq in failed:
+                    self._end(seq, error=EngineError(f"image encoding failed: {type(e).__name__}: {e}"))
+                seqs = [seq for seq in seqs if seq not in failed]
+            else:
+                for key, emb in zip(pending, embeddings):
+                    self.images.put(key, emb)
+                self.images_encoded += len(pending)
+        for seq in seqs:
+            if seq.image_key is not None:
+                emb = self.images.get(seq.image_key)
+                seq.cropped = None
+                seq.prefix_len = emb.shape[0] + 1
+                seq.next_input = self.model.image_prefix(emb)
+        return seqs
 
     def _inputs(self, seqs: list[Sequence]) -> torch.Tensor:
         """This step's input embedding of each running sequence: a token's, or a region head's."""

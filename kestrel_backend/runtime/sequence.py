@@ -75,7 +75,7 @@ class Sequence:
     generation: Generation
     delivery: Delivery
     image_key: str | None = None
-    pixels: np.ndarray | None = None
+    cropped: tuple[np.ndarray, tuple[int, int]] | None = None  # (crops, tiling), until encoded
     reasoning: bool = False
     capacity: int = 0  # positions reserved in the KV cache
     detok: IncrementalDetokenizer | None = None

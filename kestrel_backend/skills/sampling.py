@@ -34,9 +34,10 @@ def _uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tens
 
 def choose_tokens(logits: torch.Tensor, choices: list[Choice]) -> list[int]:
     """logits [B, V] float32 (modified in place for bans) -> one token id per row (one host sync)."""
-    for row, c in enumerate(choices):
-        if c.banned:
-            logits[row, list(c.banned)] = float("-inf")
+    banned = [(row, token) for row, c in enumerate(choices) for token in c.banned]
+    if banned:
+        rows, tokens = torch.tensor(banned, device=logits.device).T
+        logits[rows, tokens] = float("-inf")
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, c in enumerate(choices) if c.temperature > 0]
     if sampled:
