@@ -237,6 +237,9 @@ def e2e_bench(model: Moondream, concurrencies, max_tokens: int) -> list[dict]:
             t0 = time.perf_counter()
             out = asyncio.run(run(conc * 2))
             wall = time.perf_counter() - t0
+            phases = {k: round(v, 3) for k, v in engine.stats()["step_phase_seconds"].items()}
+            print(f"concurrency {conc}: wall {wall:.3f} s, engine seconds by phase {phases}, steps {engine.stats()['steps']}",
+                  flush=True)
             ttft = sorted(r.metrics["ttft_ms"] for _, r in out)
             tokens = sum(r.metrics["output_tokens"] for _, r in out)
             rows.append({"concurrency": conc, "requests": len(out), "req_per_s": len(out) / wall,

@@ -123,7 +123,8 @@ class InferenceEngine:
         s = self.scheduler
         return {"pages_total": self.kv.num_pages, "pages_used": self.kv.pages_used, "pages_free": self.kv.pages_free,
                 "queue_depth": len(s.waiting) + self._admitting, "running": len(s.running),
-                "images_encoded": s.images_encoded, "images_cached": len(self.images)}
+                "images_encoded": s.images_encoded, "images_cached": len(self.images), "steps": s.steps,
+                "step_phase_seconds": dict(s.phase_s)}
 
     # --- public API ---
     async def query(self, image: bytes | None = None, question: str = "", reasoning: bool = False,
@@ -222,12 +223,17 @@ class InferenceEngine:
             capacity = min(self.max_context, prompt_len + _new_positions(skill, settings, reasoning))
             if self.kv.pages_for(capacity) > self.kv.num_pages:
                 raise InvalidRequest(f"request needs {self.kv.pages_for(capacity)} KV pages, the cache has {self.kv.num_pages}")
-            detok = None if skill in ("point", "detect") else IncrementalDetokenizer(self.model.tokenizer)
+            detok = IncrementalDetokenizer(self.model.tokenizer) if stream_text(skill, delivery.stream) else None
             seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, cropped=cropped,
                            reasoning=reasoning, capacity=capacity, detok=detok)
             self.scheduler.add(seq)
         finally:
             self._admitting -= 1
+
+
+def stream_text(skill: str, stream: bool) -> bool:
+    """Only streamed text needs incremental detokenization; other text is decoded once at the end."""
+    return stream and skill in ("query", "caption")
 
 
 def _chaos(scheduler: Scheduler, after: int):

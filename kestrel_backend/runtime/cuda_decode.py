@@ -135,8 +135,8 @@ class CudaGraphDecoder:
         bucket = next(b for b in self.buckets if b >= n)
         tables = torch.full((bucket, self.max_pages), self.cache.scratch_page, dtype=torch.int32)
         for i, sid in enumerate(seq_ids):
-            t = self.cache.tables[sid]
-            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            t = self.cache.table_tensors[sid]
+            tables[i, :len(t)] = t
         pos = torch.zeros(bucket, dtype=torch.long)
         pos[:n] = torch.tensor(positions)
         self.block_tables[:bucket].copy_(tables, non_blocking=True)

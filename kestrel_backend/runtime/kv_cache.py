@@ -21,6 +21,7 @@ class PagedKVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self.tables: dict[int, list[int]] = {}
+        self.table_tensors: dict[int, torch.Tensor] = {}  # the same, as int32 CPU tensors (graph inputs)
 
     @property
     def pages_free(self) -> int:
@@ -39,9 +40,11 @@ class PagedKVCache:
         if need > len(self._free):
             raise OutOfPages(f"need {need} KV pages, {len(self._free)} free")
         self.tables[seq_id] = [self._free.pop() for _ in range(need)]
+        self.table_tensors[seq_id] = torch.tensor(self.tables[seq_id], dtype=torch.int32)
 
     def free(self, seq_id: int) -> None:
         self._free.extend(reversed(self.tables.pop(seq_id, [])))
+        self.table_tensors.pop(seq_id, None)
 
     def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache rows for these positions of a sequence."""

@@ -50,7 +50,8 @@ class Scheduler:
         self._stopping = False
         self.steps = 0
         self.consecutive_failures = 0
-        self.images_encoded = 0  # steps failing back to back: the device may be unusable
+        self.images_encoded = 0
+        self.phase_s = {"prefill": 0.0, "decode": 0.0, "choose": 0.0, "advance": 0.0}  # where step time goes  # steps failing back to back: the device may be unusable
         self.fault_injector = None  # tests: a callable run inside each step
 
     def add(self, seq: Sequence) -> None:
@@ -93,12 +94,18 @@ class Scheduler:
                     outputs.append((new, *self._forward_flat(new, prefill=True)))
                     for seq in new:
                         seq.prefill_ms = (time.perf_counter() - t0) * 1000
+                t1 = time.perf_counter()
                 if decoding:  # one input per running sequence
                     outputs.append((decoding, *self._decode(decoding)))
-                for seqs, logits, hidden in outputs:
-                    tokens = choose_tokens(logits, [seq.generation.choice() for seq in seqs])
+                t2 = time.perf_counter()
+                chosen = [choose_tokens(logits, [seq.generation.choice() for seq in seqs]) for seqs, logits, _ in outputs]
+                t3 = time.perf_counter()
+                for (seqs, _, hidden), tokens in zip(outputs, chosen):
                     for seq, token, h in zip(seqs, tokens, hidden):
                         self._advance(seq, token, h)
+                t4 = time.perf_counter()
+                for phase, dt in zip(self.phase_s, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    self.phase_s[phase] += dt
             self.consecutive_failures = 0
         except Exception as e:  # fail this step's requests only; the engine keeps serving
             log.exception("engine step failed")
@@ -231,7 +238,7 @@ class Scheduler:
             output = {key: [{k: min(1.0, max(0.0, v)) for k, v in obj.items()} for obj in gen.objects]}
             n_out = len(gen.objects)
         else:
-            text = seq.detok.text if seq.detok else ""
+            text = seq.detok.text if seq.detok else self.model.tokenizer.decode(gen.tokens)
             output = {"caption" if seq.skill == "caption" else "answer": text}
             n_out = len(gen.tokens)
             if isinstance(gen, ReasoningThenAnswer):
