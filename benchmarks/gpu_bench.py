@@ -92,7 +92,7 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
         else:
             attention = TorchPagedAttention(cache)
             pos = torch.full((1,), context, device="cuda")
-            slices = [SeqSlice(i, i, i + 1, pos, 730) for i in range(bsz)]
+            slices = [SeqSlice(i, i, i + 1, context, 730, pos) for i in range(bsz)]
             positions_t = torch.full((bsz,), context, device="cuda")
 
             def step():
@@ -112,7 +112,7 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
 
 def kernel_check() -> dict:
     """The Triton decode kernel against torch SDPA on fresh random data, scattered pages."""
-    from kestrel_backend.model.text import masked_attention
+    from kestrel_backend.model.text import attend
 
     torch.manual_seed(0)
     out = {}
@@ -140,7 +140,7 @@ def kernel_check() -> dict:
         for i, n in enumerate(lens):
             pos = torch.arange(n, device="cuda")
             rows = tables[i, pos // page].long() * page + pos % page
-            ref = masked_attention(q[i:i + 1].double(), k[rows].double(), v[rows].double(),
+            ref = attend(q[i:i + 1].double(), k[rows].double(), v[rows].double(),
                                    torch.ones(1, n, dtype=torch.bool, device="cuda"))
             errs.append(float((got[i:i + 1].double() - ref).norm() / ref.norm()))
         out[str(dtype)] = max(errs)

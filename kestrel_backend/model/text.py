@@ -84,11 +84,13 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, prefix_len: int) ->
     return causal | prefix
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [T, H, D], k/v [S, Hkv, D], mask [T, S] -> [T, H, D] (grouped-query aware)."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+           is_causal: bool = False) -> torch.Tensor:
+    """q [T, H, D], k/v [S, Hkv, D], mask [T, S] (True: may attend) -> [T, H, D] (grouped-query aware).
+    Inputs go in as [1, H, T, D]: the fused (flash / memory-efficient) kernels take 4-D tensors only."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
 
 
 class DenseCache:
@@ -111,5 +113,5 @@ class DenseCache:
         self.v[layer, pos] = v
         end = int(pos[-1]) + 1
         keys = torch.arange(end, device=q.device)
-        return masked_attention(q, self.k[layer, :end], self.v[layer, :end],
+        return attend(q, self.k[layer, :end], self.v[layer, :end],
                                 attention_mask(pos, keys, self.prefix_len))

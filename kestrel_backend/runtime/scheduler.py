@@ -184,7 +184,7 @@ class Scheduler:
         slices, start = [], 0
         for seq, x in zip(seqs, pieces):
             positions = torch.arange(seq.length, seq.length + x.shape[0], device=m.device)
-            slices.append(SeqSlice(seq.id, start, start + x.shape[0], positions, seq.prefix_len))
+            slices.append(SeqSlice(seq.id, start, start + x.shape[0], seq.length, seq.prefix_len, positions))
             start += x.shape[0]
             seq.length += x.shape[0]
         self.attention.plan(slices)

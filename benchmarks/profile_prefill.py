@@ -1,0 +1,54 @@
+"""Profile one engine prefill step (16 fresh image queries) on the GPU: where does the time go?
+
+    python benchmarks/profile_prefill.py
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
+from kestrel_backend.model.moondream import Moondream  # noqa: E402
+from kestrel_backend.model.weights import random_weights  # noqa: E402
+from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention  # noqa: E402
+from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
+
+
+def main(n: int = 16, prompt: int = 12) -> None:
+    config = MoondreamConfig()
+    model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
+    cache = PagedKVCache(config.text, n * 64, 16, "cuda", torch.bfloat16)
+    attention = TorchPagedAttention(cache)
+    length = 730 + prompt
+    for i in range(n):
+        cache.allocate(i, length + 64)
+    x = torch.randn(n * length, config.text.dim, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        slices = [SeqSlice(i, i * length, (i + 1) * length, 0, 730, torch.arange(length, device="cuda")) for i in range(n)]
+        attention.plan(slices)
+        hidden = model.forward(x, torch.cat([s.positions for s in slices]), attention)
+        return model.logits(hidden[[s.end - 1 for s in slices]])
+
+    with torch.inference_mode():
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        print(f"prefill of {n} x {length} tokens: {(time.perf_counter() - t0) * 1000:.1f} ms "
+              f"(compute floor at 780 TFLOP/s: {n * length * 2 * 1.31e9 / 780e12 * 1000:.1f} ms)")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=10, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
