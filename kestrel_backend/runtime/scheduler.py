@@ -1,8 +1,9 @@
 """Continuous batching on the engine thread.
 
-Each step runs ONE forward pass over a flat token list: the whole prompt of every newly admitted
-sequence (prefill) plus one input of every running sequence (decode). Sequences join between steps
-and leave as soon as they finish, fail or are cancelled; their KV pages go back to the free list.
+Each step prefills the whole prompt of every newly admitted sequence (one forward over a flat token
+list, torch attention), then runs one decode forward over one input of every running sequence (a
+CUDA graph on a GPU), then chooses all their tokens at once. Sequences join between steps and leave
+as soon as they finish, fail or are cancelled; their KV pages go back to the free list.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = False
         self.steps = 0
-        self.consecutive_failures = 0
+        self.consecutive_failures = 0  # steps failing back to back: the device may be unusable
         self.images_encoded = 0
-        self.phase_s = {"prefill": 0.0, "decode": 0.0, "choose": 0.0, "advance": 0.0}  # where step time goes  # steps failing back to back: the device may be unusable
-        self.fault_injector = None  # tests: a callable run inside each step
+        self.phase_s = {"prefill": 0.0, "decode": 0.0, "choose": 0.0, "advance": 0.0}  # where step time goes
+        self.fault_injector = None  # tests and chaos runs: a callable run inside each step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

@@ -10,7 +10,7 @@ one decode step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -74,12 +74,6 @@ class TextGeneration(Generation):
             self._finish("length")
             return None
         return token
-
-
-@dataclass
-class Grounding:
-    start_token: int
-    points: list[tuple[float, float]] = field(default_factory=list)
 
 
 class ReasoningThenAnswer(Generation):
