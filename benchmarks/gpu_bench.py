@@ -154,6 +154,15 @@ def kernel_check() -> dict:
     ref = split_qkv_with_rope(qkv.double(), table[pos, :, 0].double(), table[pos, :, 1].double(), cfg)
     got = split_qkv_with_rope(qkv.cuda(), table[pos, :, 0].cuda(), table[pos, :, 1].cuda(), cfg)
     out["rope_max_abs_err"] = max(float((g.cpu().double() - r).abs().max()) for g, r in zip(got, ref))
+    # the MLP with the cuBLASLt GELU epilogue against the plain torch MLP (float64 on the CPU)
+    from kestrel_backend.model.layers import mlp
+    from kestrel_backend.model.weights import Linear, MLP
+
+    w = MLP(Linear(torch.randn(512, 256) / 16, torch.randn(512)), Linear(torch.randn(256, 512) / 22, torch.randn(256)))
+    x = torch.randn(9, 256)
+    ref = mlp(x.double(), MLP(*(Linear(l.weight.double(), l.bias.double()) for l in (w.fc1, w.fc2))))
+    wc = MLP(*(Linear(l.weight.cuda(), l.bias.cuda()) for l in (w.fc1, w.fc2)))
+    out["mlp_gelu_epilogue_rel_err"] = float((mlp(x.cuda(), wc).cpu().double() - ref).norm() / ref.norm())
     return out
 
 

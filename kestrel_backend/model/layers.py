@@ -14,5 +14,13 @@ def layer_norm(x: torch.Tensor, w: LayerNorm) -> torch.Tensor:
     return F.layer_norm(x, w.weight.shape, w.weight, w.bias)
 
 
+def mlp_hidden(x: torch.Tensor, w: MLP) -> torch.Tensor:
+    """gelu_tanh(fc1(x)): the MLP's inner activations."""
+    if x.is_cuda:  # fc1 + bias + tanh-GELU in one cuBLASLt call (GELU epilogue): one kernel less per MLP
+        h = torch._addmm_activation(w.fc1.bias, x.reshape(-1, x.shape[-1]), w.fc1.weight.t(), use_gelu=True)
+        return h.view(*x.shape[:-1], -1)
+    return F.gelu(linear(x, w.fc1), approximate="tanh")
+
+
 def mlp(x: torch.Tensor, w: MLP) -> torch.Tensor:
-    return linear(F.gelu(linear(x, w.fc1), approximate="tanh"), w.fc2)
+    return linear(mlp_hidden(x, w), w.fc2)

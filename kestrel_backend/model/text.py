@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import TextConfig
-from .layers import layer_norm, linear, mlp
+from .layers import layer_norm, linear, mlp, mlp_hidden
 from .weights import TextWeights
 
 
@@ -68,8 +68,12 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
     for i, block in enumerate(w.blocks):
         h = layer_norm(x, block.ln)
         q, k, v = split_qkv_with_rope(linear(h, block.qkv), cos, sin, config)
-        out = attention(i, q, k, v)
-        x = x + linear(out.reshape(n, -1), block.proj) + mlp(h, block.mlp)
+        out = attention(i, q, k, v).reshape(n, -1)
+        if x.is_cuda:  # residual adds folded into the two output GEMMs (beta = 1): two kernels less per layer
+            g = mlp_hidden(h, block.mlp)
+            x = torch.addmm(torch.addmm(x, out, block.proj.weight.t()), g, block.mlp.fc2.weight.t()).add_(block.out_bias)
+        else:
+            x = x + linear(out, block.proj) + mlp(h, block.mlp)
     return x
 
 
@@ -86,11 +90,15 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, prefix_len: int) ->
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
            is_causal: bool = False) -> torch.Tensor:
-    """q [T, H, D], k/v [S, Hkv, D], mask [T, S] (True: may attend) -> [T, H, D] (grouped-query aware).
-    Inputs go in as [1, H, T, D]: the fused (flash / memory-efficient) kernels take 4-D tensors only."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1)
+    """q [(N,) T, H, D], k/v [(N,) S, Hkv, D], mask [T, S] (True: may attend) -> [(N,) T, H, D].
+    Grouped-query aware. SDPA gets 4-D [N, H, T, D] tensors: the fused (flash / memory-efficient)
+    kernels take nothing else."""
+    single = q.dim() == 3
+    if single:
+        q, k, v = q[None], k[None], v[None]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         is_causal=is_causal, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+    return out[0] if single else out
 
 
 class DenseCache:

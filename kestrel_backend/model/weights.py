@@ -63,6 +63,7 @@ class TextBlock:
     qkv: Linear
     proj: Linear
     mlp: MLP
+    out_bias: torch.Tensor  # proj.bias + mlp.fc2.bias: both land on the same residual
 
 
 @dataclass
@@ -275,8 +276,8 @@ def build_weights(state: dict[str, torch.Tensor], config: MoondreamConfig,
     )
     text = TextWeights(
         wte=t("text.wte"),
-        blocks=[TextBlock(norm(f"text.blocks.{i}.ln"), linear(f"text.blocks.{i}.attn.qkv"),
-                          linear(f"text.blocks.{i}.attn.proj"), mlp(f"text.blocks.{i}.mlp"))
+        blocks=[_text_block(norm(f"text.blocks.{i}.ln"), linear(f"text.blocks.{i}.attn.qkv"),
+                            linear(f"text.blocks.{i}.attn.proj"), mlp(f"text.blocks.{i}.mlp"))
                 for i in range(config.text.n_layers)],
         post_ln=norm("text.post_ln"),
         lm_head=linear("text.lm_head"),
@@ -287,6 +288,10 @@ def build_weights(state: dict[str, torch.Tensor], config: MoondreamConfig,
         size_encoder=linear("region.size_encoder"), size_decoder=mlp("region.size_decoder"),
     )
     return MoondreamWeights(vision, text, region)
+
+
+def _text_block(ln: LayerNorm, qkv: Linear, proj: Linear, mlp: MLP) -> TextBlock:
+    return TextBlock(ln, qkv, proj, mlp, out_bias=proj.bias + mlp.fc2.bias)
 
 
 def load_weights(path: str | Path, config: MoondreamConfig, dtype: torch.dtype = torch.float32,

@@ -30,41 +30,48 @@ class TorchPagedAttention:
         self.cache = cache
         self.batch: list[SeqSlice] = []
         self._write_slots: torch.Tensor | None = None
-        self._read: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        self._read: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        self._prefixes: dict[int, torch.Tensor] = {}
 
     def plan(self, batch: list[SeqSlice]) -> None:
-        """Precompute cache rows and masks once per step; every layer reuses them."""
+        """Precompute cache rows, masks and prefix groups once per step; every layer reuses them.
+
+        A fresh sequence (its whole context in this step) attends to the step's own k/v: its image
+        prefix attends to itself without a mask, batched with every other fresh prefix of that length
+        (one fused-kernel call), and only its text tail needs a mask. Text-only fresh sequences are
+        plainly causal. Continuing sequences read their pages back with the general mask."""
         self.batch = batch
+        dev = batch[0].positions.device
         self._write_slots = torch.cat([self.cache.slots(s.seq_id, s.positions) for s in batch])
-        self._read = []
+        self._read, prefix_rows = [], {}
         for s in batch:
-            keys = torch.arange(s.first_pos + s.end - s.start, device=s.positions.device)
-            rows = None if s.first_pos == 0 else self.cache.slots(s.seq_id, keys)
-            self._read.append((rows, attention_mask(s.positions, keys, s.prefix_len)))
+            n = s.end - s.start
+            if s.first_pos == 0 and s.prefix_len:
+                prefix_rows.setdefault(s.prefix_len, []).append(torch.arange(s.start, s.start + s.prefix_len))
+                tail = torch.arange(s.prefix_len, n, device=dev)
+                self._read.append((None, torch.arange(n, device=dev)[None, :] <= tail[:, None]))
+            elif s.first_pos == 0:
+                self._read.append((None, None))
+            else:
+                keys = torch.arange(s.first_pos + n, device=dev)
+                self._read.append((self.cache.slots(s.seq_id, keys), attention_mask(s.positions, keys, s.prefix_len)))
+        self._prefixes = {p: torch.cat(rows).to(dev) for p, rows in prefix_rows.items()}
 
     def __call__(self, layer: int, q, k, v):
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc[self._write_slots] = k
         vc[self._write_slots] = v
         out = torch.empty_like(q)
+        for p, rows in self._prefixes.items():
+            shape = (rows.shape[0] // p, p)
+            out[rows] = attend(*(t[rows].view(*shape, *t.shape[1:]) for t in (q, k, v))).flatten(0, 1)
         for s, (rows, mask) in zip(self.batch, self._read):
-            if rows is None:
-                out[s.start:s.end] = prefill_attention(q[s.start:s.end], k[s.start:s.end], v[s.start:s.end], s.prefix_len)
-            else:
-                out[s.start:s.end] = attend(q[s.start:s.end], kc[rows], vc[rows], mask)
+            seq = slice(s.start, s.end)
+            if rows is not None:
+                out[seq] = attend(q[seq], kc[rows], vc[rows], mask)
+            elif s.prefix_len == 0:
+                out[seq] = attend(q[seq], k[seq], v[seq], is_causal=True)
+            elif s.end - s.start > s.prefix_len:
+                tail = slice(s.start + s.prefix_len, s.end)
+                out[tail] = attend(q[tail], k[seq], v[seq], mask)
         return out
-
-
-def prefill_attention(q, k, v, prefix_len: int) -> torch.Tensor:
-    """A whole fresh sequence: the image prefix attends to itself (no mask: the fused kernels apply), the
-    text after it causally to everything before; text-only is plain causal. Same result as the masked
-    form, without materialising a [T, T] mask for the long prefix."""
-    n = q.shape[0]
-    if prefix_len == 0 or n <= prefix_len:
-        return attend(q, k, v, is_causal=prefix_len == 0)
-    out = torch.empty_like(q)
-    out[:prefix_len] = attend(q[:prefix_len], k[:prefix_len], v[:prefix_len])
-    rows = torch.arange(prefix_len, n, device=q.device)
-    mask = torch.arange(n, device=q.device)[None, :] <= rows[:, None]
-    out[prefix_len:] = attend(q[prefix_len:], k, v, mask)
-    return out
