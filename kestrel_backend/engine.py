@@ -225,7 +225,7 @@ class InferenceEngine:
                 raise InvalidRequest(f"request needs {self.kv.pages_for(capacity)} KV pages, the cache has {self.kv.num_pages}")
             detok = IncrementalDetokenizer(self.model.tokenizer) if stream_text(skill, delivery.stream) else None
             seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, cropped=cropped,
-                           reasoning=reasoning, capacity=capacity, detok=detok)
+                           capacity=capacity, detok=detok)
             self.scheduler.add(seq)
         finally:
             self._admitting -= 1

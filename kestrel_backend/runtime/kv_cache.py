@@ -48,5 +48,5 @@ class PagedKVCache:
 
     def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache rows for these positions of a sequence."""
-        table = torch.tensor(self.tables[seq_id], device=positions.device)
-        return table[positions // self.page_size] * self.page_size + positions % self.page_size
+        table = self.table_tensors[seq_id].to(positions.device, non_blocking=True)
+        return table[positions // self.page_size].long() * self.page_size + positions % self.page_size

@@ -76,7 +76,6 @@ class Sequence:
     delivery: Delivery
     image_key: str | None = None
     cropped: tuple[np.ndarray, tuple[int, int]] | None = None  # (crops, tiling), until encoded
-    reasoning: bool = False
     capacity: int = 0  # positions reserved in the KV cache
     detok: IncrementalDetokenizer | None = None
     # filled by the scheduler
