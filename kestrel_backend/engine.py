@@ -118,11 +118,16 @@ class InferenceEngine:
         """False once the engine thread died or steps keep failing back to back (an unusable device)."""
         return self._thread.is_alive() and self.scheduler.consecutive_failures < UNHEALTHY_AFTER_FAILED_STEPS
 
+    @property
+    def _queue_depth(self) -> int:
+        """Requests accepted but not yet running: being admitted (image decode) or waiting for a slot."""
+        return len(self.scheduler.waiting) + self._admitting
+
     # --- counts for metrics ---
     def stats(self) -> dict:
         s = self.scheduler
         return {"pages_total": self.kv.num_pages, "pages_used": self.kv.pages_used, "pages_free": self.kv.pages_free,
-                "queue_depth": len(s.waiting) + self._admitting, "running": len(s.running),
+                "queue_depth": self._queue_depth, "running": len(s.running),
                 "images_encoded": s.images_encoded, "images_cached": len(self.images), "steps": s.steps,
                 "step_phase_seconds": dict(s.phase_s)}
 
@@ -136,8 +141,6 @@ class InferenceEngine:
         return await self._submit("query", image, ids, s, stream, reasoning=reasoning)
 
     async def caption(self, image: bytes, length: str = "normal", stream: bool = False, settings: dict | None = None):
-        if length not in ("short", "normal", "long"):
-            raise InvalidRequest(f"LENGTH must be short, normal or long, got {length!r}")
         return await self._submit("caption", self._need_image(image), caption_prompt(self.model.config.tokenizer, length),
                                   self._settings(settings), stream)
 
@@ -200,7 +203,7 @@ class InferenceEngine:
 
     async def _admit(self, skill, image, ids, settings, delivery, reasoning) -> None:
         """Runs on the engine loop: bounded queue, image decode (off-thread), context check."""
-        if len(self.scheduler.waiting) + self._admitting >= self.config.max_queue:
+        if self._queue_depth >= self.config.max_queue:
             raise EngineOverloaded(f"server overloaded: {self.config.max_queue} requests already queued; retry later")
         self._admitting += 1
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import InvalidRequest
 from ..model.config import TokenizerConfig
 
 CAPTION_LENGTHS = ("short", "normal", "long")
@@ -17,7 +18,7 @@ def query_prompt(tok: TokenizerConfig, question_ids: list[int], has_image: bool,
 
 def caption_prompt(tok: TokenizerConfig, length: str) -> list[int]:
     if length not in CAPTION_LENGTHS:
-        raise ValueError(f"LENGTH must be one of {', '.join(CAPTION_LENGTHS)}, got {length!r}")
+        raise InvalidRequest(f"LENGTH must be one of {', '.join(CAPTION_LENGTHS)}, got {length!r}")
     return list(tok.templates["caption"][length])
 
 

@@ -70,10 +70,7 @@ class TritonAdapter:
                 result = await self._call(wire, stream=False)
                 self._send(sender, result_body(request_id, result), final=True)
             outcome = "success"
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            self._send_final_flag(sender)
-        except RequestCancelled:
+        except (asyncio.CancelledError, RequestCancelled):  # client gone (watcher) or engine-side cancel
             outcome = "cancelled"
             self._send_final_flag(sender)
         except InvalidRequest as e:
@@ -90,7 +87,6 @@ class TritonAdapter:
             m = result.metrics if result else {}
             self.metrics.request_done(wire.skill, outcome, time.perf_counter() - t0,
                                       m["ttft_ms"] / 1000 if m else None, m.get("output_tokens", 0))
-            self.metrics.engine_state(self.engine.stats())
 
     async def _call(self, wire: WireRequest, stream: bool):
         e = self.engine
