@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from .config import VisionConfig
 from .image_crops import overlap_crops, reconstruct
-from .layers import layer_norm, linear, mlp
+from .layers import layer_norm, linear, mlp, mlp_hidden
 from .weights import VisionWeights
 
 
@@ -33,20 +33,39 @@ def patchify(x: torch.Tensor, patch: int) -> torch.Tensor:
     return x.reshape(b, (h // patch) * (w // patch), c * patch * patch)
 
 
-def _self_attention(x: torch.Tensor, qkv, proj, n_heads: int) -> torch.Tensor:
+def _attend_heads(x: torch.Tensor, qkv, n_heads: int) -> torch.Tensor:
+    """Multi-head self-attention before the output projection: [B, N, D] -> [B, N, D]."""
     b, n, d = x.shape
     q, k, v = (t.view(b, n, n_heads, d // n_heads).transpose(1, 2) for t in linear(x, qkv).chunk(3, dim=-1))
-    out = F.scaled_dot_product_attention(q, k, v)
-    return linear(out.transpose(1, 2).reshape(b, n, d), proj)
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
 
 
 def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig) -> torch.Tensor:
     """[B, 3, crop, crop] -> patch features [B, grid*grid, enc_dim]; crops of many images may share a batch."""
     x = linear(patchify(crops, config.enc_patch_size), w.patch_emb) + w.pos_emb
+    if x.is_cuda:
+        return _encode_blocks_cuda(x, w, config)
     for block in w.blocks:
-        x = x + _self_attention(layer_norm(x, block.ln1), block.qkv, block.proj, config.enc_n_heads)
+        x = x + linear(_attend_heads(layer_norm(x, block.ln1), block.qkv, config.enc_n_heads), block.proj)
         x = x + mlp(layer_norm(x, block.ln2), block.mlp)
     return layer_norm(x, w.post_ln)
+
+
+def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig) -> torch.Tensor:
+    """The same blocks with the residual adds done by the output GEMMs (in place, beta = 1). Their biases
+    are left out of the stream and added back by the next norm: shifts[i] sums all biases before it."""
+    from .layer_norm_cuda import shifted_layer_norm
+
+    b, n, d = x.shape
+    x = x.view(b * n, d)
+    biases = [bias for block in w.blocks for bias in (block.proj.bias, block.mlp.fc2.bias)]
+    shifts = torch.cat([torch.zeros(1, d, device=x.device), torch.stack(biases).float().cumsum(0)])
+    for i, block in enumerate(w.blocks):
+        h = shifted_layer_norm(x, shifts[2 * i], block.ln1.weight, block.ln1.bias)
+        x.addmm_(_attend_heads(h.view(b, n, d), block.qkv, config.enc_n_heads).view(b * n, d), block.proj.weight.t())
+        h = shifted_layer_norm(x, shifts[2 * i + 1], block.ln2.weight, block.ln2.bias)
+        x.addmm_(mlp_hidden(h, block.mlp), block.mlp.fc2.weight.t())
+    return shifted_layer_norm(x, shifts[-1], w.post_ln.weight, w.post_ln.bias).view(b, n, d)
 
 
 def project(features: torch.Tensor, tiling: tuple[int, int], w: VisionWeights, config: VisionConfig) -> torch.Tensor:

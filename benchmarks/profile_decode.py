@@ -1,0 +1,54 @@
+"""Where one CUDA-graph decode step's time goes (full-size random weights, GPU only).
+
+    python benchmarks/profile_decode.py [--batch 1] [--context 800]
+
+Prints the step's time, the kernels inside the replayed graph with their GPU time, and what is left
+between them (launch gaps, ramp-up and tails of short kernels).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gpu_bench import timed  # noqa: E402
+from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
+from kestrel_backend.model.moondream import Moondream  # noqa: E402
+from kestrel_backend.model.weights import random_weights  # noqa: E402
+from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder  # noqa: E402
+from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=800)
+    args = p.parse_args()
+    config = MoondreamConfig()
+    model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
+    cache = PagedKVCache(config.text, args.batch * (args.context // 16 + 1), 16, "cuda", torch.bfloat16)
+    for i in range(args.batch):
+        cache.allocate(i, args.context + 1)
+    decoder = CudaGraphDecoder(model, cache, args.batch, args.context + 1)
+    x = torch.randn(args.batch, config.text.dim, device="cuda", dtype=torch.bfloat16)
+    ids, positions = list(range(args.batch)), [args.context] * args.batch
+    decoder.run(x, ids, positions)
+    graph = decoder.graphs[decoder.buckets[-1]]
+    replay_ms = timed(graph.replay, iters=50)
+    step_ms = timed(lambda: decoder.run(x, ids, positions), iters=50)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 10 / 1000
+    print(f"batch {args.batch}, context {args.context}: step {step_ms:.3f} ms (graph replay alone {replay_ms:.3f} ms); "
+          f"kernels busy {busy_ms:.3f} ms, between kernels {replay_ms - busy_ms:.3f} ms")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"  {e.self_device_time_total / 10:9.1f} us  {e.count // 10:4d} x  {e.key[:90]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Where the vision encoder's time goes on the GPU (full-size weights, 13 crops = one 12-tile image).
+
+    python benchmarks/profile_vision.py
+
+Prints SDPA time per backend for the encoder's attention shape, the encode time eager and as a CUDA graph
+(what launch gaps cost), then the top kernels of one encode.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gpu_bench import graph_timed, timed  # noqa: E402
+from kestrel_backend.model import vision  # noqa: E402
+from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
+from kestrel_backend.model.weights import random_weights  # noqa: E402
+
+
+def main(crops: int = 13) -> None:
+    v = MoondreamConfig().vision
+    tokens, heads = v.grid * v.grid, v.enc_n_heads
+    q, k, val = (torch.randn(crops, heads, tokens, v.enc_dim // heads, device="cuda", dtype=torch.bfloat16)
+                 for _ in range(3))
+    flops = 4 * crops * heads * tokens * tokens * (v.enc_dim // heads)
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                ms = timed(lambda: F.scaled_dot_product_attention(q, k, val), iters=20)
+            print(f"sdpa {backend.name}: {ms:.3f} ms per layer ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+        except RuntimeError as e:
+            print(f"sdpa {backend.name}: not available ({str(e)[:100]})", flush=True)
+
+    w = random_weights(MoondreamConfig(), dtype=torch.bfloat16, device="cuda").vision
+    x = torch.randn(crops, 3, v.crop_size, v.crop_size, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for n in (crops, 4 * crops):
+            xs = torch.randn(n, 3, v.crop_size, v.crop_size, device="cuda", dtype=torch.bfloat16)
+            eager = timed(lambda: vision.encode_crops(xs, w, v), iters=10)
+            graph = graph_timed(lambda: vision.encode_crops(xs, w, v), calls=1)
+            print(f"encode {n} crops: eager {eager:.2f} ms, as a CUDA graph {graph:.2f} ms", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            vision.encode_crops(x, w, v)
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Layer norm of (x + shift) as one Triton kernel, shift being a float32 vector added on the fly.
+
+The vision encoder on the GPU lets its GEMMs add their output straight onto the residual stream
+(beta = 1, in place) and leaves their biases out; the sum of the biases so far is the shift that the
+next norm adds back. That saves the two elementwise residual adds of every layer."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _shifted_layer_norm_kernel(x_ptr, shift_ptr, w_ptr, b_ptr, out_ptr, rows_total, eps, D: tl.constexpr,
+                               BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    mask = (rows < rows_total)[:, None] & col_ok[None, :]
+    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(shift_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    mean = tl.sum(x, 1) / D
+    d = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (d * rstd[:, None] * w[None, :] + b[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def shifted_layer_norm(x: torch.Tensor, shift: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float = 1e-5) -> torch.Tensor:
+    """layer_norm(x + shift) over the last dim; x [R, D] contiguous, shift [D] float32."""
+    rows, dim = x.shape
+    assert x.is_contiguous() and shift.dtype == torch.float32
+    out = torch.empty_like(x)
+    block_d = triton.next_power_of_2(dim)
+    per_program = max(1, 4096 // block_d)
+    _shifted_layer_norm_kernel[(triton.cdiv(rows, per_program),)](x, shift, weight, bias, out, rows, eps, D=dim,
+                                                                 BLOCK_D=block_d, ROWS=per_program, num_warps=4)
+    return out

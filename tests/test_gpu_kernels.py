@@ -1,0 +1,152 @@
+"""The GPU kernels (runtime/decode_kernels.py, model/layer_norm_cuda.py) and the GPU code paths built
+on them, checked on the CPU with Triton's interpreter against the plain torch path they replace. float32 only: the interpreter computes bfloat16 tl.dot wrongly
+(numpy has no bfloat16); the bfloat16 kernels are checked on the GPU by benchmarks/gpu_bench.py."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined, so before the import below
+pytest.importorskip("triton")
+
+from kestrel_backend.model.config import TextConfig  # noqa: E402
+from kestrel_backend.model.text import attend, rope_table, split_qkv_with_rope  # noqa: E402
+from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
+
+
+
+def rel_err(got, ref):
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 40])  # 1 and 2 rows take the GEMV form, more rows tensor cores
+def test_norm_linear_matches_layer_norm_then_linear(m):
+    g = torch.Generator().manual_seed(m)
+    k, n1, n2 = 128, 384, 256
+    x = (torch.randn(m, k, generator=g) * 3 + 1)
+    ln_w, ln_b = torch.randn(k, generator=g), torch.randn(k, generator=g)
+    w1, b1 = (torch.randn(n1, k, generator=g) / 11), torch.randn(n1, generator=g)
+    w2, b2 = (torch.randn(n2, k, generator=g) / 11), torch.randn(n2, generator=g)
+    out1, out2 = dk.norm_linear(x, ln_w, ln_b, w1, b1, w2, b2, gelu2=True)
+    h = F.layer_norm(x.double(), (k,), ln_w.double(), ln_b.double())
+    assert rel_err(out1, F.linear(h, w1.double(), b1.double())) < 1e-6
+    assert rel_err(out2, F.gelu(F.linear(h, w2.double(), b2.double()), approximate="tanh")) < 1e-6
+    alone, _ = dk.norm_linear(x, ln_w, ln_b, w2, b2, gelu1=True)  # fc1 on its own (beside the attention)
+    assert rel_err(alone, F.gelu(F.linear(h, w2.double(), b2.double()), approximate="tanh")) < 1e-6
+    logits = torch.empty(m, n1, dtype=torch.float64)  # the LM head form: logits in a wider type
+    assert dk.norm_linear(x, ln_w, ln_b, w1, b1, out1=logits)[1] is None
+    assert rel_err(logits, F.linear(h, w1.double(), b1.double())) < 1e-6
+
+
+@pytest.mark.parametrize("m", [1, 33])
+def test_linear2_residual_matches_torch(m):
+    g = torch.Generator().manual_seed(m)
+    n, k1, k2 = 128, 128, 256
+    a, c = torch.randn(m, k1, generator=g), torch.randn(m, k2, generator=g)
+    w1, w2 = (torch.randn(n, k1, generator=g) / 11), (torch.randn(n, k2, generator=g) / 16)
+    residual = torch.randn(m, 2 * n, generator=g)[:, :n]  # strided rows, like a slice of a buffer
+    bias = torch.randn(n, generator=g)
+    got = dk.linear2_residual(a, w1, c, w2, residual, bias)
+    ref = residual.double() + a.double() @ w1.double().T + c.double() @ w2.double().T + bias.double()
+    assert rel_err(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("splits", [1, 4])  # the context in one program, or shared by four (flash-decoding)
+def test_rotary_paged_attention_matches_rope_then_attention(splits):
+    cfg = TextConfig(dim=256, ff_dim=512, n_layers=1, n_heads=4, n_kv_heads=2)  # grouped-query, head_dim 64
+    g = torch.Generator().manual_seed(0)
+    page, lens = 4, [1, 6, 13, 150]  # tokens per sequence, the new one included
+    n_pages = sum(-(-n // page) for n in lens) + 2
+    hkv, d = cfg.n_kv_heads, cfg.head_dim
+    k_cache, v_cache = torch.randn(n_pages * page, hkv, d, generator=g), torch.randn(n_pages * page, hkv, d, generator=g)
+    perm = torch.randperm(n_pages, generator=g).tolist()
+    tables = torch.zeros(len(lens), max(lens) // page + 1, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        need = -(-n // page)
+        tables[i, :need] = torch.tensor(perm[:need], dtype=torch.int32)
+        perm = perm[need:]
+    last = torch.tensor(lens) - 1
+    slots = tables[torch.arange(len(lens)), last // page].long() * page + last % page
+    width = (cfg.n_heads + 2 * hkv) * d
+    qkv = torch.randn(len(lens), 2 * width, generator=g)[:, :width]  # strided rows, like the engine's
+    table = rope_table(cfg)
+    cos, sin = table[last, :, 0].contiguous(), table[last, :, 1].contiguous()
+
+    before = k_cache.clone(), v_cache.clone()
+    got = dk.rotary_paged_attention(qkv, cos, sin, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
+                                    slots, cfg.n_heads, page, splits=splits)
+
+    q, k, v = split_qkv_with_rope(qkv.clone(), cos, sin, cfg)
+    assert torch.allclose(k_cache[slots], k, atol=1e-6) and torch.equal(v_cache[slots], v)
+    untouched = torch.ones(len(k_cache), dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(k_cache[untouched], before[0][untouched]) and torch.equal(v_cache[untouched], before[1][untouched])
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        rows = tables[i, pos // page].long() * page + pos % page
+        ref = attend(q[i:i + 1], k_cache[rows], v_cache[rows])
+        assert rel_err(got[i].view(cfg.n_heads, d), ref[0]) < 1e-5
+
+
+@pytest.mark.parametrize("n_seqs", [1, 3])  # the GEMV form, and tensor cores for norm + qkv/fc1
+def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs):
+    """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch
+    step, after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens:
+    the interpreter runs every program in Python."""
+    import dataclasses
+
+    from kestrel_backend.model.moondream import Moondream
+    from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention
+    from kestrel_backend.runtime.cuda_decode import StepTensors, fused_decode_step
+    from kestrel_backend.runtime.kv_cache import PagedKVCache
+
+    text = tiny_model.weights.text
+    head = dataclasses.replace(text.lm_head, weight=text.lm_head.weight[:512], bias=text.lm_head.bias[:512])
+    weights = dataclasses.replace(tiny_model.weights, text=dataclasses.replace(text, lm_head=head))
+    model, cfg = Moondream(tiny_model.config, weights), tiny_model.config.text
+    cache = PagedKVCache(cfg, 16, 4, "cpu", torch.float32)
+    prompts = [list(range(10, 31)), [1, 2, 3, 4, 5], [40, 41]][:n_seqs]
+    slices, start = [], 0
+    for sid, ids in enumerate(prompts):
+        cache.allocate(sid, len(ids) + 1)
+        slices.append(SeqSlice(sid, start, start + len(ids), 0, 0, torch.arange(len(ids))))
+        start += len(ids)
+    attention = TorchPagedAttention(cache)
+    attention.plan(slices)
+    flat = [t for ids in prompts for t in ids]
+    model.forward(model.embed_tokens(flat), torch.cat([s.positions for s in slices]), attention)
+
+    x = model.embed_tokens([7, 8, 9][:n_seqs])
+    positions = torch.tensor([len(ids) for ids in prompts])
+    torch_cache = PagedKVCache(cfg, 16, 4, "cpu", torch.float32)
+    torch_cache.k, torch_cache.v, torch_cache.tables = cache.k.clone(), cache.v.clone(), cache.tables
+    torch_cache.table_tensors = cache.table_tensors
+    step = TorchPagedAttention(torch_cache)
+    step.plan([SeqSlice(i, i, i + 1, int(p), 0, p.reshape(1)) for i, p in enumerate(positions)])
+    hidden_ref = model.forward(x, positions, step)
+    logits_ref = model.logits(hidden_ref)
+
+    tables = torch.full((n_seqs, 8), cache.scratch_page, dtype=torch.int32)
+    for sid in range(n_seqs):
+        tables[sid, :len(cache.tables[sid])] = cache.table_tensors[sid]
+    slots = tables[torch.arange(n_seqs), positions // 4] * 4 + positions % 4
+    inputs = StepTensors(tables, (positions + 1).int(), slots.int(), model.rope[positions, :, 0].contiguous(),
+                         model.rope[positions, :, 1].contiguous())
+    logits = torch.empty(n_seqs, 512)
+    hidden = fused_decode_step(model, x, cache, inputs, logits)
+    assert rel_err(hidden, hidden_ref) < 1e-5 and rel_err(logits, logits_ref) < 1e-5
+    assert torch.equal(logits.argmax(-1), logits_ref.argmax(-1))
+    assert rel_err(cache.k, torch_cache.k) < 1e-6 and rel_err(cache.v, torch_cache.v) < 1e-6  # the new rows
+
+
+def test_gpu_vision_blocks_match_the_torch_blocks(tiny_model):
+    """The GPU form of the vision encoder (residual adds in the GEMMs, biases carried into the norms)."""
+    from kestrel_backend.model import vision
+
+    v, w = tiny_model.config.vision, tiny_model.weights.vision
+    crops = torch.rand(2, 3, v.crop_size, v.crop_size, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    x = vision.linear(vision.patchify(crops, v.enc_patch_size), w.patch_emb) + w.pos_emb
+    got = vision._encode_blocks_cuda(x.clone(), w, v)
+    assert rel_err(got, vision.encode_crops(crops, w, v)) < 1e-5
