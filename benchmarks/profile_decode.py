@@ -38,6 +38,19 @@ def main() -> None:
     graph = decoder.graphs[decoder.buckets[-1]]
     replay_ms = timed(graph.replay, iters=50)
     step_ms = timed(lambda: decoder.run(x, ids, positions), iters=50)
+    # host time of each part of run(): it adds to the step, the GPU waits for it
+    import time
+
+    parts = {"upload": lambda: decoder.inputs.upload(ids, positions, decoder.buckets[-1]),
+             "x copy": lambda: decoder.x[:args.batch].copy_(x), "replay launch": graph.replay}
+    for name, fn in parts.items():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        host_us = (time.perf_counter() - t0) / 20 * 1e6
+        torch.cuda.synchronize()
+        print(f"host time of {name}: {host_us:.1f} us")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             graph.replay()

@@ -1,6 +1,7 @@
 """The GPU kernels (runtime/decode_kernels.py, model/layer_norm_cuda.py) and the GPU code paths built
-on them, checked on the CPU with Triton's interpreter against the plain torch path they replace. float32 only: the interpreter computes bfloat16 tl.dot wrongly
-(numpy has no bfloat16); the bfloat16 kernels are checked on the GPU by benchmarks/gpu_bench.py."""
+on them, checked on the CPU with Triton's interpreter against the plain torch path they replace.
+float32 only: the interpreter computes bfloat16 tl.dot wrongly (numpy has no bfloat16); the bfloat16
+kernels are checked on the GPU by benchmarks/gpu_bench.py."""
 
 import os
 
@@ -150,3 +151,30 @@ def test_gpu_vision_blocks_match_the_torch_blocks(tiny_model):
     x = vision.linear(vision.patchify(crops, v.enc_patch_size), w.patch_emb) + w.pos_emb
     got = vision._encode_blocks_cuda(x.clone(), w, v)
     assert rel_err(got, vision.encode_crops(crops, w, v)) < 1e-5
+
+
+def test_step_inputs_pack_tables_lengths_slots_and_rotary_per_sequence(tiny_model):
+    from kestrel_backend.runtime.cuda_decode import StepInputs
+    from kestrel_backend.runtime.kv_cache import PagedKVCache
+
+    cfg = tiny_model.config.text
+    cache = PagedKVCache(cfg, 32, 4, "cpu", torch.float32)
+    cache.allocate(5, 30)
+    cache.allocate(9, 7)
+    cache.free(5)
+    cache.allocate(6, 13)  # pages reused out of order
+    inputs = StepInputs(4, 10, cache, tiny_model.rope, "cpu")
+    for seq_ids, positions in (([9, 6], [6, 12]), ([6], [3])):  # the second step must clear the first's rows
+        inputs.upload(seq_ids, positions, 2)
+        got = inputs.rows(2)
+        pad = cache.scratch_page
+        for row in range(2):
+            if row < len(seq_ids):
+                table, pos = cache.tables[seq_ids[row]], positions[row]
+            else:
+                table, pos = [], 0
+            want = table + [pad] * (10 - len(table))
+            assert got.block_tables[row].tolist() == want
+            assert got.seq_lens[row] == pos + 1 and got.slots[row] == want[pos // 4] * 4 + pos % 4
+            assert torch.equal(got.cos[row], tiny_model.rope[pos, :, 0])
+            assert torch.equal(got.sin[row], tiny_model.rope[pos, :, 1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..model.moondream import Moondream
@@ -73,44 +74,44 @@ class StepTensors:
 class StepInputs:
     """StepTensors for up to n sequences, computed on the host and packed in one pinned buffer, so a
     step needs one host-to-device copy and no small index kernels. float32 fields are stored bit for
-    bit in the int32 buffer."""
+    bit in the int32 buffer. The host side is filled through numpy: per-step host time is step time."""
 
     def __init__(self, n: int, max_pages: int, cache: PagedKVCache, rope: torch.Tensor, device):
-        self.cache, self.rope, self.n, self.max_pages = cache, rope, n, max_pages  # rope: the CPU table
-        half = rope.shape[1]
+        self.cache, self.n, self.max_pages = cache, n, max_pages
+        self.rope = rope.cpu().numpy()  # [max_context, rope_dim / 2, 2] float32
+        half = self.rope.shape[1]
         self._sizes = [n * max_pages, n, n, n * half, n * half]
-        self.host = torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=True)
+        cuda = torch.device(device).type == "cuda"  # (the CPU form is for the tests)
+        self.host = torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=cuda)
         self.device = torch.zeros_like(self.host, device=device)
-        self._copied = torch.cuda.Event()
-        self._host_views = self._split(self.host)
-
-    def _split(self, buf: torch.Tensor) -> StepTensors:
-        tables, lens, slots, cos, sin = buf.split(self._sizes)
-        return StepTensors(tables.view(self.n, self.max_pages), lens, slots, cos.view(torch.float32).view(self.n, -1),
-                           sin.view(torch.float32).view(self.n, -1))
+        self._copied = torch.cuda.Event() if cuda else None
+        tables, self._lens, self._slots, cos, sin = np.split(self.host.numpy(), np.cumsum(self._sizes)[:-1])
+        self._tables = tables.reshape(n, max_pages)
+        self._cos, self._sin = cos.view(np.float32).reshape(n, half), sin.view(np.float32).reshape(n, half)
 
     def rows(self, b: int) -> StepTensors:
         """Device views for the first b sequences (static addresses: graph inputs)."""
-        t = self._split(self.device)
-        return StepTensors(t.block_tables[:b], t.seq_lens[:b], t.slots[:b], t.cos[:b], t.sin[:b])
+        tables, lens, slots, cos, sin = self.device.split(self._sizes)
+        return StepTensors(tables.view(self.n, self.max_pages)[:b], lens[:b], slots[:b],
+                           cos.view(torch.float32).view(self.n, -1)[:b], sin.view(torch.float32).view(self.n, -1)[:b])
 
     def upload(self, seq_ids: list[int], positions: list[int], bucket: int) -> None:
         """Fill rows for these sequences; padding rows up to the bucket write to the scratch page."""
-        self._copied.synchronize()  # the previous step's copy has left the host buffer
-        h, page, scratch = self._host_views, self.cache.page_size, self.cache.scratch_page
-        h.block_tables[:bucket].fill_(scratch)
-        pos = torch.zeros(bucket, dtype=torch.long)
-        pos[:len(positions)] = torch.tensor(positions)
-        slots = torch.full((bucket,), scratch * page, dtype=torch.int32)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffer
+        page, tables = self.cache.page_size, self._tables[:bucket]
+        tables.fill(self.cache.scratch_page)
         for i, sid in enumerate(seq_ids):
-            table = self.cache.table_tensors[sid]
-            h.block_tables[i, :len(table)] = table
-            slots[i] = int(table[positions[i] // page]) * page + positions[i] % page
-        h.seq_lens[:bucket] = pos + 1
-        h.slots[:bucket] = slots
-        h.cos[:bucket], h.sin[:bucket] = self.rope[pos, :, 0], self.rope[pos, :, 1]
+            table = self.cache.table_tensors[sid].numpy()
+            tables[i, :len(table)] = table
+        pos = np.zeros(bucket, dtype=np.int64)
+        pos[:len(positions)] = positions
+        self._slots[:bucket] = tables[np.arange(bucket), pos // page] * page + pos % page
+        self._lens[:bucket] = pos + 1
+        self._cos[:bucket], self._sin[:bucket] = self.rope[pos, :, 0], self.rope[pos, :, 1]
         self.device.copy_(self.host, non_blocking=True)
-        self._copied.record()
+        if self._copied is not None:
+            self._copied.record()
 
 
 class CudaGraphDecoder:
@@ -121,7 +122,7 @@ class CudaGraphDecoder:
         self.model, self.cache = model, cache
         dev, dim = model.device, model.config.text.dim
         self.buckets = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch} | {max_batch})
-        self.inputs = StepInputs(max_batch, cache.pages_for(max_context), cache, model.rope.cpu(), dev)
+        self.inputs = StepInputs(max_batch, cache.pages_for(max_context), cache, model.rope, dev)
         self.x = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)
         self.logits = torch.zeros(max_batch, model.config.text.vocab_size, device=dev, dtype=torch.float32)
         self.hidden = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)

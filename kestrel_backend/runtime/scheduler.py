@@ -28,7 +28,7 @@ log = logging.getLogger("kestrel.scheduler")
 
 
 def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int):
-    """CUDA graphs + the Triton decode kernel on a GPU; None (torch attention) elsewhere."""
+    """CUDA graphs of the fused Triton decode kernels on a GPU; None (torch attention) elsewhere."""
     if model.device.type != "cuda":
         return None
     from .cuda_decode import CudaGraphDecoder
