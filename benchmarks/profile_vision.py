@@ -42,10 +42,20 @@ def main(crops: int = 13) -> None:
             eager = timed(lambda: vision.encode_crops(xs, w, v), iters=10)
             graph = graph_timed(lambda: vision.encode_crops(xs, w, v), calls=1)
             print(f"encode {n} crops: eager {eager:.2f} ms, as a CUDA graph {graph:.2f} ms", flush=True)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            print(f"encode {crops} crops, flash attention: {timed(lambda: vision.encode_crops(x, w, v), iters=10):.2f} ms")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             vision.encode_crops(x, w, v)
             torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, spans[0][0]
+    for a, b in spans:  # union of the GPU's busy intervals
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    print(f"GPU timeline: {len(spans)} operations over {(end - spans[0][0]) / 1000:.2f} ms, busy {busy / 1000:.2f} ms, "
+          f"idle between them {(end - spans[0][0] - busy) / 1000:.2f} ms")
 
 
 if __name__ == "__main__":

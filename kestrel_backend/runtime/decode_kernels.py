@@ -14,6 +14,8 @@ They also run under TRITON_INTERPRET=1 on the CPU, which is how the tests check 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -130,8 +132,19 @@ def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, r
 GEMV_MAX_ROWS = 2  # up to here, streaming the weight through plain loads beats tensor cores (tune_decode_kernels.py)
 
 
-def _tiles(m: int, n_sizes: tuple[int, ...], k_sizes: tuple[int, ...], dtype: torch.dtype):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot) for M rows, from the H100 tile sweep."""
+@functools.lru_cache
+def _small_shared_memory(device: torch.device) -> bool:
+    """About 100 KB of shared memory per block (L4, A10, consumer cards) instead of the H100's 227 KB."""
+    if device.type != "cuda":
+        return False
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    return props["max_shared_mem"] < 200 * 1024
+
+
+def _tiles(m: int, n_sizes: tuple[int, ...], k_sizes: tuple[int, ...], dtype: torch.dtype,
+           small_shared_memory: bool = False):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot) for M rows, from the H100 tile sweep;
+    shallower tensor-core pipelines where shared memory is small."""
     if m <= GEMV_MAX_ROWS:  # narrow N tiles: about a thousand programs or more, so every SM streams weight
         block_n = next(b for b in (8, 4, 2, 1) if sum(n_sizes) // b >= 1024 and all(n % b == 0 for n in n_sizes)) \
             if sum(n_sizes) >= 1024 else 1
@@ -139,9 +152,10 @@ def _tiles(m: int, n_sizes: tuple[int, ...], k_sizes: tuple[int, ...], dtype: to
         return m, block_n, block_k, 4, 2, False
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 16 if m <= 64 else 32
-    widest_k = 64 if dtype == torch.float32 else 256  # float32 (parity runs) must fit in shared memory
+    shallow = dtype == torch.float32 or small_shared_memory  # float32 (parity runs) must fit in shared memory
+    widest_k = 64 if dtype == torch.float32 else (128 if small_shared_memory else 256)
     block_k = next(b for b in (256, 128, 64, 32, 16) if b <= widest_k and all(k % b == 0 for k in k_sizes))
-    return block_m, block_n, block_k, 4, (2 if dtype == torch.float32 else 4), True
+    return block_m, block_n, block_k, 4, (2 if shallow else 4), True
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -157,7 +171,8 @@ def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu1: bo
     m, k = x.shape
     n1, n2 = w1.shape[0], (w2.shape[0] if w2 is not None else 0)
     assert x.stride(1) == 1 and w1.is_contiguous() and (w2 is None or w2.is_contiguous())
-    block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n1, n2 or n1), (k,), x.dtype)
+    block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n1, n2 or n1), (k,), x.dtype,
+                                                                        _small_shared_memory(x.device))
     if out1 is None:
         out1 = torch.empty(m, n1, device=x.device, dtype=x.dtype)
     assert out1.shape == (m, n1) and out1.is_contiguous()
@@ -175,7 +190,8 @@ def linear2_residual(a, w1, c, w2, residual, bias, tiles=None):
     """residual + a @ w1.T + c @ w2.T + bias in one pass (rows of a, c, residual may be strided)."""
     m, n = residual.shape
     assert a.stride(1) == c.stride(1) == residual.stride(1) == 1 and w1.is_contiguous() and w2.is_contiguous()
-    block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n,), (a.shape[1], c.shape[1]), a.dtype)
+    block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n,), (a.shape[1], c.shape[1]), a.dtype,
+                                                                        _small_shared_memory(a.device))
     out = torch.empty(m, n, device=residual.device, dtype=residual.dtype)
     grid = (n // block_n, triton.cdiv(m, block_m))
     _linear2_residual_kernel[grid](a, a.stride(0), w1, c, c.stride(0), w2, residual, residual.stride(0), bias, out, m,
