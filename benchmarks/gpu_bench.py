@@ -34,6 +34,7 @@ from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention  # noqa: E402
+from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder  # noqa: E402
 
 
@@ -99,7 +100,7 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
         cache.v.normal_()
         x = torch.randn(bsz, cfg.dim, device="cuda", dtype=torch.bfloat16)
         if backend.startswith("graph"):
-            decoder = CudaGraphDecoder(model, cache, bsz, context + 1, overlap_attention=backend == "graph")
+            decoder = CudaGraphDecoder(model, cache, bsz, context + 1, overlap_attention=backend != "graph-serial")
             ids, positions = list(range(bsz)), [context] * bsz
 
             def step():
@@ -114,8 +115,12 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
                 attention.plan(slices)
                 return model.logits(model.forward(x, positions_t, attention)).argmax(-1)
 
-        with torch.inference_mode():
-            ms = timed(step)
+        dk.PDL_ENABLED = backend != "graph-no-pdl"  # read when the graph is captured, in the first step
+        try:
+            with torch.inference_mode():
+                ms = timed(step)
+        finally:
+            dk.PDL_ENABLED = True
         kv_bytes = bsz * (context + 1) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
         floor = (text_weight_bytes(model.config) + kv_bytes) / bandwidth * 1000
         rows.append({"backend": backend, "batch": bsz, "context": context, "step_ms": ms, "floor_ms": floor,
@@ -130,7 +135,6 @@ def kernel_check() -> dict:
     attention), in float32 and bfloat16: relative errors."""
     from kestrel_backend.model.config import TextConfig
     from kestrel_backend.model.text import attend, rope_table, split_qkv_with_rope
-    from kestrel_backend.runtime import decode_kernels as dk
 
     torch.manual_seed(0)
     rel = lambda got, ref: float((got.double() - ref).norm() / ref.norm())
@@ -334,9 +338,10 @@ def main() -> int:
     batches = [1, 8, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
     for ctx in (64, 800):
         rows = []
-        for backend in ("graph", "graph-serial", "torch"):  # serial: attention not beside fc1 (small batches)
-            rows += decode_steps(model, batches if backend == "graph" else batches[:2], ctx,
-                                 res["ceilings"]["copy_bandwidth_GBps"] * 1e9, backend)
+        # serial: attention not beside fc1 (small batches); no-pdl: kernels without programmatic dependent launch
+        for backend, sizes in (("graph", batches), ("graph-serial", batches[:2]), ("graph-no-pdl", batches[:2]),
+                               ("torch", batches[:2])):
+            rows += decode_steps(model, sizes, ctx, res["ceilings"]["copy_bandwidth_GBps"] * 1e9, backend)
         res[f"decode_ctx{ctx}"] = rows
         print(f"\ndecode steps, context {ctx}\n" + table(rows), flush=True)
     res["vision"] = [vision_bench(model, res["ceilings"]["bf16_matmul_TFLOPs"] * 1e12, n=n) for n in (13, 52)]

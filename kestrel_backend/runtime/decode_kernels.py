@@ -31,6 +31,16 @@ def _gelu_tanh(x):
 
 
 @triton.jit
+def _after_previous_kernel(PDL: tl.constexpr):
+    """With programmatic dependent launch (Hopper and later) a kernel is started while the one before it
+    drains: wait here until that one has finished and its writes are visible, before touching memory,
+    and let the next kernel start the same way. Every kernel calls this first, so completion chains."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _mac(acc, a, w, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """acc [BM, BN] + a [BM, BK] @ w [BN, BK].T, a already in w's dtype. Tensor cores for many rows; for a
     few rows a broadcast multiply-sum, which streams the weight with plain wide loads (a GEMV)."""
@@ -92,8 +102,10 @@ def _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, bias_ptr
 def _norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_ptr, w2_ptr, bias2_ptr, out2_ptr,
                         M, eps, K: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, GELU1: tl.constexpr,
                         GELU2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        STATS_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                        STATS_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                        PDL: tl.constexpr):
     """Programs [0, N1 / BLOCK_N) fill out1 from w1, the rest out2 from w2; all share the normed x."""
+    _after_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -111,7 +123,8 @@ def _norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_p
 def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, res_ptr, res_stride, bias_ptr, out_ptr,
                              M, K1: tl.constexpr, K2: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                             PRECISION: tl.constexpr):
+                             PRECISION: tl.constexpr, PDL: tl.constexpr):
+    _after_previous_kernel(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -130,6 +143,21 @@ def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, r
 
 
 GEMV_MAX_ROWS = 2  # up to here, streaming the weight through plain loads beats tensor cores (tune_decode_kernels.py)
+
+
+PDL_ENABLED = True  # programmatic dependent launch where the GPU has it (benchmarks compare without)
+
+
+def _pdl(device: torch.device, rows: int) -> dict:
+    """Launch arguments: PDL for the kernel's constexpr, launch_pdl for Triton's launcher. Only for the
+    GEMV form, where every kernel of the step is ours: among cuBLAS's kernels it measured no faster."""
+    on = PDL_ENABLED and rows <= GEMV_MAX_ROWS and _has_pdl(device)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+
+
+@functools.lru_cache
+def _has_pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache
@@ -182,7 +210,7 @@ def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu1: bo
     _norm_linear_kernel[grid](x, x.stride(0), ln_weight, ln_bias, w1, bias1, out1, w2 if n2 else w1,
                               bias2 if n2 else bias1, out2, m, LN_EPS, K=k, N1=n1, N2=n2, GELU1=gelu1, GELU2=gelu2,
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=stats_k, USE_DOT=use_dot,
-                              PRECISION=_precision(x), num_warps=warps, num_stages=stages)
+                              PRECISION=_precision(x), num_warps=warps, num_stages=stages, **_pdl(x.device, m))
     return out1, (out2 if n2 else None)
 
 
@@ -197,7 +225,7 @@ def linear2_residual(a, w1, c, w2, residual, bias, tiles=None):
     _linear2_residual_kernel[grid](a, a.stride(0), w1, c, c.stride(0), w2, residual, residual.stride(0), bias, out, m,
                                    K1=a.shape[1], K2=c.shape[1], N=n, BLOCK_M=block_m, BLOCK_N=block_n,
                                    BLOCK_K=block_k, USE_DOT=use_dot, PRECISION=_precision(a), num_warps=warps,
-                                   num_stages=stages)
+                                   num_stages=stages, **_pdl(a.device, m))
     return out
 
 
@@ -205,12 +233,13 @@ def linear2_residual(a, w1, c, w2, residual, bias, tiles=None):
 def _rotary_paged_attention_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr,
                                    slots_ptr, out_ptr, part_ml_ptr, part_acc_ptr, bt_stride, scale, H: tl.constexpr,
                                    HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     """One program per (sequence, head, split of the context). The head's first ROT = 2*HALF dims are
     rotated (input halves are real and imaginary parts, the rotated output interleaves them, as in the
     reference); the rest pass. Online softmax over this split's share of the cached pages; split 0 also
     takes the new token's own k/v, and its first head of each kv group stores them (rotated) into the
     cache. With one split the result is final; with several, each writes its partial (max, sum, acc)."""
+    _after_previous_kernel(PDL)
     ROT: tl.constexpr = 2 * HALF
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -277,8 +306,10 @@ def _rotary_paged_attention_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, k_ptr,
 
 
 @triton.jit
-def _combine_splits_kernel(part_ml_ptr, part_acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr):
+def _combine_splits_kernel(part_ml_ptr, part_acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
+                           PDL: tl.constexpr):
     """Merge the splits' partial softmaxes of one (sequence, head): rescale each to the common max."""
+    _after_previous_kernel(PDL)
     part = tl.program_id(0) * SPLITS + tl.arange(0, SPLITS)
     m = tl.load(part_ml_ptr + 2 * part)
     l = tl.load(part_ml_ptr + 2 * part + 1)
@@ -316,7 +347,8 @@ def rotary_paged_attention(qkv, cos, sin, k_cache, v_cache, block_tables, seq_le
     _rotary_paged_attention_kernel[(bsz, n_heads, splits)](
         qkv, qkv.stride(0), cos, sin, k_cache, v_cache, block_tables, seq_lens, slots, out, part_ml, part_acc,
         block_tables.stride(0), dim ** -0.5, H=n_heads, HKV=hkv, D=dim, HALF=half, PAGE=page_size, BLOCK_N=64,
-        SPLITS=splits, num_warps=4)
+        SPLITS=splits, num_warps=4, **_pdl(qkv.device, bsz))
     if splits > 1:
-        _combine_splits_kernel[(bsz * n_heads,)](part_ml, part_acc, out, D=dim, SPLITS=splits, num_warps=1)
+        _combine_splits_kernel[(bsz * n_heads,)](part_ml, part_acc, out, D=dim, SPLITS=splits, num_warps=1,
+                                                 **_pdl(qkv.device, bsz))
     return out
