@@ -91,8 +91,9 @@ def test_rotary_paged_attention_matches_rope_then_attention(splits):
         assert rel_err(got[i].view(cfg.n_heads, d), ref[0]) < 1e-5
 
 
-@pytest.mark.parametrize("n_seqs", [1, 3])  # the GEMV form, and tensor cores for norm + qkv/fc1
-def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs):
+# the GEMV form (with the attention split over the context, or not), and tensor cores for norm + qkv/fc1
+@pytest.mark.parametrize("n_seqs, splits", [(1, None), (1, 1), (3, None)])
+def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs, splits):
     """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch
     step, after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens:
     the interpreter runs every program in Python."""
@@ -136,7 +137,7 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs):
     inputs = StepTensors(tables, (positions + 1).int(), slots.int(), model.rope[positions, :, 0].contiguous(),
                          model.rope[positions, :, 1].contiguous())
     logits = torch.empty(n_seqs, 512)
-    hidden = fused_decode_step(model, x, cache, inputs, logits)
+    hidden = fused_decode_step(model, x, cache, inputs, logits, context_splits=splits)
     assert rel_err(hidden, hidden_ref) < 1e-5 and rel_err(logits, logits_ref) < 1e-5
     assert torch.equal(logits.argmax(-1), logits_ref.argmax(-1))
     assert rel_err(cache.k, torch_cache.k) < 1e-6 and rel_err(cache.v, torch_cache.v) < 1e-6  # the new rows

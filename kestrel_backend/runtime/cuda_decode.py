@@ -20,19 +20,22 @@ from .kv_cache import PagedKVCache
 
 
 def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, inputs: "StepTensors",
-                      logits_out: torch.Tensor, side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+                      logits_out: torch.Tensor, side_stream: torch.cuda.Stream | None = None,
+                      context_splits: int | None = None) -> torch.Tensor:
     """One decode step (one new token per sequence) with the fused kernels, then the final norm and LM
     head. Writes float32 logits into logits_out; returns the hidden states.
 
     Up to GEMV_MAX_ROWS sequences every weight is streamed by our kernels; with a side stream, the
     latency-bound attention runs beside fc1's weight stream (both need only qkv and x). Past that, the
-    norm + qkv/fc1 and the LM head go to cuBLAS's tensor-core GEMMs."""
+    norm + qkv/fc1 and the LM head go to cuBLAS's tensor-core GEMMs. context_splits: programs per
+    sequence and head in the attention (default: decode_kernels.context_splits)."""
     cfg, w, page = model.config.text, model.weights.text, cache.page_size
     gemv = x.shape[0] <= GEMV_MAX_ROWS
 
     def attention(layer: int, qkv: torch.Tensor) -> torch.Tensor:
         return rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[layer], cache.v[layer],
-                                      inputs.block_tables, inputs.seq_lens, inputs.slots, cfg.n_heads, page)
+                                      inputs.block_tables, inputs.seq_lens, inputs.slots, cfg.n_heads, page,
+                                      splits=context_splits)
 
     for i, block in enumerate(w.blocks):
         if gemv and side_stream is not None:
@@ -114,14 +117,15 @@ class StepInputs:
             self._copied.record()
 
 
-OVERLAP_MIN_CONTEXT = 256  # attention beside fc1 pays once it costs more than the extra launch: H100, 1.45x
-#                           against 1.74x of the floor at context 800, but 1.62x against 1.49x at context 64
+LONG_CONTEXT = 256  # from here the attention is worth splitting and running beside fc1 (H100: at context 800
+#                    1.45x of the floor against 1.74x without the side stream; at context 64, 1.62x against 1.49x)
 
 
 class CudaGraphDecoder:
     """Decode steps for up to max_batch sequences, captured once per batch-size bucket and replayed.
-    Buckets of the GEMV form get a second graph with the attention on a side stream, replayed when
-    some sequence's context is long."""
+    Buckets of the GEMV form get two graphs: for short contexts the attention is one program per
+    sequence and head, in line; for long ones it is split over the context and, given a side stream,
+    runs beside fc1."""
 
     def __init__(self, model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int,
                  overlap_attention: bool = True):
@@ -136,42 +140,44 @@ class CudaGraphDecoder:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
-    def _step(self, b: int, overlap: bool) -> None:
+    def _step(self, b: int, long_context: bool) -> None:
+        short = b <= GEMV_MAX_ROWS and not long_context
         self.hidden[:b] = fused_decode_step(self.model, self.x[:b], self.cache, self.inputs.rows(b), self.logits[:b],
-                                            self.side_stream if overlap else None)
+                                            self.side_stream if long_context else None, 1 if short else None)
 
-    def _graph(self, b: int, overlap: bool) -> torch.cuda.CUDAGraph:
-        if (b, overlap) not in self.graphs:
+    def _graph(self, b: int, long_context: bool) -> torch.cuda.CUDAGraph:
+        if (b, long_context) not in self.graphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: Triton compiles, allocator settles (writes go to the scratch page)
-                    self._step(b, overlap)
+                    self._step(b, long_context)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._step(b, overlap)
+                self._step(b, long_context)
             self._pool = graph.pool()
-            self.graphs[b, overlap] = graph
-        return self.graphs[b, overlap]
+            self.graphs[b, long_context] = graph
+        return self.graphs[b, long_context]
 
-    def _overlaps(self, bucket: int) -> list[bool]:
-        return [False, True] if self.side_stream is not None and bucket <= GEMV_MAX_ROWS else [False]
+    @staticmethod
+    def _variants(bucket: int) -> list[bool]:
+        return [False, True] if bucket <= GEMV_MAX_ROWS else [False]
 
     def warmup(self) -> None:
         self.inputs.upload([], [], max(self.buckets))  # every row padding: all writes go to the scratch page
         with torch.inference_mode():
             for b in self.buckets:
-                for overlap in self._overlaps(b):
-                    self._graph(b, overlap)
+                for long_context in self._variants(b):
+                    self._graph(b, long_context)
 
     @torch.inference_mode()
     def run(self, inputs: torch.Tensor, seq_ids: list[int], positions: list[int]):
         """inputs [B, dim] at these positions -> (logits [B, V], hidden [B, dim]) views of static buffers."""
         n = len(seq_ids)
         bucket = next(b for b in self.buckets if b >= n)
-        overlap = self._overlaps(bucket)[-1] and max(positions) >= OVERLAP_MIN_CONTEXT
+        long_context = self._variants(bucket)[-1] and max(positions) >= LONG_CONTEXT
         self.inputs.upload(seq_ids, positions, bucket)
         self.x[:n].copy_(inputs)
-        self._graph(bucket, overlap).replay()
+        self._graph(bucket, long_context).replay()
         return self.logits[:n], self.hidden[:n]
