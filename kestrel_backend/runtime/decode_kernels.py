@@ -157,7 +157,9 @@ def _pdl(device: torch.device, rows: int) -> dict:
 
 @functools.lru_cache
 def _has_pdl(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Hopper or later, and a Triton that knows PDL (it came after 3.0)."""
+    has_gdc = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
+    return has_gdc and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache
