@@ -100,7 +100,7 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
         cache.v.normal_()
         x = torch.randn(bsz, cfg.dim, device="cuda", dtype=torch.bfloat16)
         if backend.startswith("graph"):
-            decoder = CudaGraphDecoder(model, cache, bsz, context + 1, overlap_attention=backend != "graph-serial")
+            decoder = CudaGraphDecoder(model, cache, bsz, context + 1)
             ids, positions = list(range(bsz)), [context] * bsz
 
             def step():
@@ -191,7 +191,7 @@ def kernel_check() -> dict:
 def engine_golden_check() -> dict:
     """The whole GPU engine path (prefill, CUDA-graph decode of fused kernels, batched sampling) in float32
     against the reference's greedy tokens and boxes on the tiny fixture: 16 mixed requests at once, then
-    each case alone (one-sequence steps take the GEMV kernels with the attention beside fc1)."""
+    each case alone (one-sequence steps take the GEMV kernels, launched with PDL)."""
     fixture = ROOT / "tests" / "fixtures" / "md2-tiny"
     cases = [c for c in json.loads((fixture / "cases.json").read_text())["cases"]
              if c["kind"] in ("query", "caption", "point", "detect")]
@@ -213,7 +213,7 @@ def engine_golden_check() -> dict:
 
         batch, results = asyncio.run(run())
 
-        async def one_at_a_time():  # decode steps of one sequence: the GEMV kernels, attention beside fc1
+        async def one_at_a_time():  # decode steps of one sequence: the GEMV kernels, PDL
             return [await submit(c) for c in cases]
 
         batch, results = batch + cases, results + asyncio.run(one_at_a_time())
@@ -338,9 +338,8 @@ def main() -> int:
     batches = [1, 8, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
     for ctx in (64, 800):
         rows = []
-        # serial: attention not beside fc1 (small batches); no-pdl: kernels without programmatic dependent launch
-        for backend, sizes in (("graph", batches), ("graph-serial", batches[:2]), ("graph-no-pdl", batches[:2]),
-                               ("torch", batches[:2])):
+        # no-pdl: the kernels without programmatic dependent launch (it applies to one or two sequences)
+        for backend, sizes in (("graph", batches), ("graph-no-pdl", batches[:2]), ("torch", batches[:2])):
             rows += decode_steps(model, sizes, ctx, res["ceilings"]["copy_bandwidth_GBps"] * 1e9, backend)
         res[f"decode_ctx{ctx}"] = rows
         print(f"\ndecode steps, context {ctx}\n" + table(rows), flush=True)

@@ -20,40 +20,24 @@ from .kv_cache import PagedKVCache
 
 
 def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, inputs: "StepTensors",
-                      logits_out: torch.Tensor, side_stream: torch.cuda.Stream | None = None,
-                      context_splits: int | None = None) -> torch.Tensor:
+                      logits_out: torch.Tensor, context_splits: int | None = None) -> torch.Tensor:
     """One decode step (one new token per sequence) with the fused kernels, then the final norm and LM
     head. Writes float32 logits into logits_out; returns the hidden states.
 
-    Up to GEMV_MAX_ROWS sequences every weight is streamed by our kernels; with a side stream, the
-    latency-bound attention runs beside fc1's weight stream (both need only qkv and x). Past that, the
-    norm + qkv/fc1 and the LM head go to cuBLAS's tensor-core GEMMs. context_splits: programs per
-    sequence and head in the attention (default: decode_kernels.context_splits)."""
+    Up to GEMV_MAX_ROWS sequences every weight is streamed by our kernels; past that, the norm + qkv/fc1
+    and the LM head go to cuBLAS's tensor-core GEMMs. context_splits: programs per sequence and head in
+    the attention (default: decode_kernels.context_splits)."""
     cfg, w, page = model.config.text, model.weights.text, cache.page_size
     gemv = x.shape[0] <= GEMV_MAX_ROWS
-
-    def attention(layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        return rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[layer], cache.v[layer],
-                                      inputs.block_tables, inputs.seq_lens, inputs.slots, cfg.n_heads, page,
-                                      splits=context_splits)
-
     for i, block in enumerate(w.blocks):
-        if gemv and side_stream is not None:
-            qkv, _ = norm_linear(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias)
-            side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side_stream):
-                out = attention(i, qkv)
-            g, _ = norm_linear(x, block.ln.weight, block.ln.bias, block.mlp.fc1.weight, block.mlp.fc1.bias,
-                               gelu1=True)
-            torch.cuda.current_stream().wait_stream(side_stream)
+        if gemv:
+            qkv, g = norm_linear(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
+                                 block.mlp.fc1.weight, block.mlp.fc1.bias, gelu2=True)
         else:
-            if gemv:
-                qkv, g = norm_linear(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
-                                     block.mlp.fc1.weight, block.mlp.fc1.bias, gelu2=True)
-            else:
-                h = layer_norm(x, block.ln)
-                qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
-            out = attention(i, qkv)
+            h = layer_norm(x, block.ln)
+            qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
+        out = rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[i], cache.v[i], inputs.block_tables,
+                                     inputs.seq_lens, inputs.slots, cfg.n_heads, page, splits=context_splits)
         x = linear2_residual(out, block.proj.weight, g, block.mlp.fc2.weight, x, block.out_bias)
     if gemv:
         norm_linear(x, w.post_ln.weight, w.post_ln.bias, w.lm_head.weight, w.lm_head.bias, out1=logits_out)
@@ -117,18 +101,16 @@ class StepInputs:
             self._copied.record()
 
 
-LONG_CONTEXT = 256  # from here the attention is worth splitting and running beside fc1 (H100: at context 800
-#                    1.45x of the floor against 1.74x without the side stream; at context 64, 1.62x against 1.49x)
+LONG_CONTEXT = 128  # from here splitting the attention over the context pays (H100, one sequence, interleaved
+#                    A/B: at context 64 one program per head is 2% faster, at 300 the split is 18% faster)
 
 
 class CudaGraphDecoder:
     """Decode steps for up to max_batch sequences, captured once per batch-size bucket and replayed.
     Buckets of the GEMV form get two graphs: for short contexts the attention is one program per
-    sequence and head, in line; for long ones it is split over the context and, given a side stream,
-    runs beside fc1."""
+    sequence and head; for long ones it is split over the context."""
 
-    def __init__(self, model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int,
-                 overlap_attention: bool = True):
+    def __init__(self, model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int):
         self.model, self.cache = model, cache
         dev, dim = model.device, model.config.text.dim
         self.buckets = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch} | {max_batch})
@@ -136,14 +118,13 @@ class CudaGraphDecoder:
         self.x = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)
         self.logits = torch.zeros(max_batch, model.config.text.vocab_size, device=dev, dtype=torch.float32)
         self.hidden = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)
-        self.side_stream = torch.cuda.Stream() if overlap_attention else None
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
     def _step(self, b: int, long_context: bool) -> None:
-        short = b <= GEMV_MAX_ROWS and not long_context
+        splits = 1 if b <= GEMV_MAX_ROWS and not long_context else None
         self.hidden[:b] = fused_decode_step(self.model, self.x[:b], self.cache, self.inputs.rows(b), self.logits[:b],
-                                            self.side_stream if long_context else None, 1 if short else None)
+                                            splits)
 
     def _graph(self, b: int, long_context: bool) -> torch.cuda.CUDAGraph:
         if (b, long_context) not in self.graphs:

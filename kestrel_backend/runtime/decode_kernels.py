@@ -100,7 +100,7 @@ def _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, bias_ptr
 
 @triton.jit
 def _norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_ptr, w2_ptr, bias2_ptr, out2_ptr,
-                        M, eps, K: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, GELU1: tl.constexpr,
+                        M, eps, K: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
                         GELU2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         STATS_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
                         PDL: tl.constexpr):
@@ -112,7 +112,7 @@ def _norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_p
     mean, rstd = _row_stats(x_ptr, x_stride, offs_m, m_mask, K, eps, BLOCK_M, STATS_K)
     if pid_n < N1 // BLOCK_N:
         _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_ptr, pid_n, offs_m,
-                          m_mask, K, N1, GELU1, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+                          m_mask, K, N1, False, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
     else:
         _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w2_ptr, bias2_ptr, out2_ptr,
                           pid_n - N1 // BLOCK_N, offs_m, m_mask, K, N2, GELU2, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
@@ -192,9 +192,8 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays exact (parity); bf16 ignores it
 
 
-def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu1: bool = False, gelu2: bool = False,
-                out1=None, tiles=None):
-    """[gelu](layer_norm(x) @ w1.T + bias1) and, from the same normed x, [gelu](... @ w2.T + bias2).
+def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu2: bool = False, out1=None, tiles=None):
+    """layer_norm(x) @ w1.T + bias1 and, from the same normed x, [gelu](... @ w2.T + bias2).
 
     x [M, K] with unit column stride; weights [N, K] contiguous -> out1 [M, N1] (x's dtype unless a
     contiguous out1 of any dtype is given) and out2 [M, N2] or None. tiles: _tiles()'s tuple, to tune."""
@@ -210,7 +209,7 @@ def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu1: bo
     grid = ((n1 + n2) // block_n, triton.cdiv(m, block_m))
     stats_k = min(k, max(16, 4096 // block_m))  # row chunk for the norm's statistics: bounded registers
     _norm_linear_kernel[grid](x, x.stride(0), ln_weight, ln_bias, w1, bias1, out1, w2 if n2 else w1,
-                              bias2 if n2 else bias1, out2, m, LN_EPS, K=k, N1=n1, N2=n2, GELU1=gelu1, GELU2=gelu2,
+                              bias2 if n2 else bias1, out2, m, LN_EPS, K=k, N1=n1, N2=n2, GELU2=gelu2,
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=stats_k, USE_DOT=use_dot,
                               PRECISION=_precision(x), num_warps=warps, num_stages=stages, **_pdl(x.device, m))
     return out1, (out2 if n2 else None)

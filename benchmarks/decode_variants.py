@@ -1,0 +1,66 @@
+"""A/B of decode-step variants for one or two sequences (GPU only): the attention split over the
+context or one program per sequence and head. The variants' CUDA graphs are replayed in interleaved
+rounds, so clock drift hits them alike (separate runs differ by 5 to 10%).
+
+    python benchmarks/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20]
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gpu_bench import timed  # noqa: E402
+from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
+from kestrel_backend.model.moondream import Moondream  # noqa: E402
+from kestrel_backend.model.weights import random_weights  # noqa: E402
+from kestrel_backend.runtime.cuda_decode import StepInputs, fused_decode_step  # noqa: E402
+from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--contexts", default="64,800")
+    p.add_argument("--rounds", type=int, default=20)
+    args = p.parse_args()
+    config = MoondreamConfig()
+    model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
+    variants = {"1 split": 1, "split": None}
+    for context in (int(c) for c in args.contexts.split(",")):
+        cache = PagedKVCache(config.text, args.batch * (context // 16 + 1), 16, "cuda", torch.bfloat16)
+        for i in range(args.batch):
+            cache.allocate(i, context + 1)
+        inputs = StepInputs(args.batch, cache.pages_for(context + 1), cache, model.rope, "cuda")
+        inputs.upload(list(range(args.batch)), [context] * args.batch, args.batch)
+        x = torch.randn(args.batch, config.text.dim, device="cuda", dtype=torch.bfloat16)
+        logits = torch.empty(args.batch, config.text.vocab_size, device="cuda")
+        graphs = {}
+        with torch.inference_mode():
+            for name, splits in variants.items():
+                step = lambda: fused_decode_step(model, x, cache, inputs.rows(args.batch), logits, splits)  # noqa: E731
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    step()
+                    step()
+                torch.cuda.current_stream().wait_stream(s)
+                graphs[name] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[name]):
+                    step()
+            times = {name: [] for name in variants}
+            for _ in range(args.rounds):
+                for name, graph in graphs.items():
+                    times[name].append(timed(graph.replay, warmup=1, iters=5))
+        for name, t in times.items():
+            print(f"batch {args.batch}, context {context}, {name}: {statistics.median(t):.3f} ms "
+                  f"(quartiles {statistics.quantiles(t, n=4)[0]:.3f} to {statistics.quantiles(t, n=4)[2]:.3f})",
+                  flush=True)
+        del cache, graphs
+
+
+if __name__ == "__main__":
+    main()
