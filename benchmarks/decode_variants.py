@@ -1,5 +1,5 @@
 """A/B of decode-step variants for one or two sequences (GPU only): the attention split over the
-context or one program per sequence and head. The variants' CUDA graphs are replayed in interleaved
+context or one program per sequence and head; with programmatic dependent launch or without. The variants' CUDA graphs are replayed in interleaved
 rounds, so clock drift hits them alike (separate runs differ by 5 to 10%).
 
     python benchmarks/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20]
@@ -17,6 +17,7 @@ from benchmarks.gpu_bench import timed  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
+from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import StepInputs, fused_decode_step  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 
@@ -29,7 +30,8 @@ def main() -> None:
     args = p.parse_args()
     config = MoondreamConfig()
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
-    variants = {"1 split": 1, "split": None}
+    variants = {"1 split": (1, True), "split": (None, True), "1 split, no PDL": (1, False),
+                "split, no PDL": (None, False)}
     for context in (int(c) for c in args.contexts.split(",")):
         cache = PagedKVCache(config.text, args.batch * (context // 16 + 1), 16, "cuda", torch.bfloat16)
         for i in range(args.batch):
@@ -40,7 +42,8 @@ def main() -> None:
         logits = torch.empty(args.batch, config.text.vocab_size, device="cuda")
         graphs = {}
         with torch.inference_mode():
-            for name, splits in variants.items():
+            for name, (splits, pdl) in variants.items():
+                dk.PDL_ENABLED = pdl  # read at launch, so while capturing
                 step = lambda: fused_decode_step(model, x, cache, inputs.rows(args.batch), logits, splits)  # noqa: E731
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
@@ -51,6 +54,7 @@ def main() -> None:
                 graphs[name] = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graphs[name]):
                     step()
+            dk.PDL_ENABLED = True
             times = {name: [] for name in variants}
             for _ in range(args.rounds):
                 for name, graph in graphs.items():

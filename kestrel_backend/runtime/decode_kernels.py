@@ -231,6 +231,30 @@ def linear2_residual(a, w1, c, w2, residual, bias, tiles=None):
 
 
 @triton.jit
+def _kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, b, kvh, start, hi, offs_rot, offs_pass, offs_d,
+              HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cached keys (rotated part, passed part) and values of positions [start, start + BLOCK_N) below hi."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    valid = offs_n < hi
+    page = tl.load(block_table_ptr + b * bt_stride + offs_n // PAGE, mask=valid, other=0)
+    base = ((page.to(tl.int64) * PAGE + offs_n % PAGE) * HKV + kvh) * D
+    kr = tl.load(k_ptr + base[:, None] + offs_rot[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    kp = tl.load(k_ptr + base[:, None] + offs_pass[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    return kr, kp, v, valid
+
+
+@triton.jit
+def _softmax_block(q_rot, q_pass, kr, kp, v, valid, m_i, l_i, acc):
+    """One online-softmax update with a block that has at least one valid key."""
+    scores = tl.where(valid, tl.sum(kr * q_rot[None, :], 1) + tl.sum(kp * q_pass[None, :], 1), float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 0))
+    p = tl.exp(scores - m_new)
+    alpha = tl.exp(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v, 0)
+
+
+@triton.jit
 def _rotary_paged_attention_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr,
                                    slots_ptr, out_ptr, part_ml_ptr, part_acc_ptr, bt_stride, scale, H: tl.constexpr,
                                    HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
@@ -239,25 +263,33 @@ def _rotary_paged_attention_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, k_ptr,
     rotated (input halves are real and imaginary parts, the rotated output interleaves them, as in the
     reference); the rest pass. Online softmax over this split's share of the cached pages; split 0 also
     takes the new token's own k/v, and its first head of each kv group stores them (rotated) into the
-    cache. With one split the result is final; with several, each writes its partial (max, sum, acc)."""
-    _after_previous_kernel(PDL)
+    cache. With one split the result is final; with several, each writes its partial (max, sum, acc).
+    The first block of cached keys and values is loaded before waiting for the previous kernel: no
+    kernel of this step writes them, so under PDL their latency hides behind that kernel's tail."""
     ROT: tl.constexpr = 2 * HALF
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
     kvh = h // (H // HKV)
+    offs_rot = tl.arange(0, ROT)
+    offs_pass = ROT + tl.arange(0, D - ROT)
+    offs_d = tl.arange(0, D)
+    cached = tl.load(seq_lens_ptr + b) - 1  # step inputs come from the host copy before the graph
+    chunk = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(cached, lo + chunk)
+    kr, kp, v, valid = _kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, b, kvh, lo, hi, offs_rot, offs_pass,
+                                 offs_d, HKV, D, PAGE, BLOCK_N)
+    _after_previous_kernel(PDL)
+
     row = qkv_ptr + b * qkv_stride
     i = tl.arange(0, HALF)
     c = tl.load(cos_ptr + b * HALF + i)
     s = tl.load(sin_ptr + b * HALF + i)
-    offs_rot = tl.arange(0, ROT)
-    offs_pass = ROT + tl.arange(0, D - ROT)
-    offs_d = tl.arange(0, D)
     q_re = tl.load(row + h * D + i).to(tl.float32)
     q_im = tl.load(row + h * D + HALF + i).to(tl.float32)
     q_rot = tl.reshape(tl.join(q_re * c - q_im * s, q_re * s + q_im * c), [ROT]) * scale
     q_pass = tl.load(row + h * D + offs_pass).to(tl.float32) * scale
-
     if split == 0:
         k_row = row + (H + kvh) * D
         k_re = tl.load(k_row + i).to(tl.float32)
@@ -278,25 +310,12 @@ def _rotary_paged_attention_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, k_ptr,
         m_i = l_i - float("inf")
         acc = tl.zeros([D], tl.float32)
 
-    cached = tl.load(seq_lens_ptr + b) - 1
-    chunk = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(cached, lo + chunk)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        valid = offs_n < hi
-        page = tl.load(block_table_ptr + b * bt_stride + offs_n // PAGE, mask=valid, other=0)
-        base = ((page.to(tl.int64) * PAGE + offs_n % PAGE) * HKV + kvh) * D
-        kr = tl.load(k_ptr + base[:, None] + offs_rot[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        kp = tl.load(k_ptr + base[:, None] + offs_pass[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        scores = tl.where(valid, tl.sum(kr * q_rot[None, :], 1) + tl.sum(kp * q_pass[None, :], 1), float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 0))
-        p = tl.exp(scores - m_new)
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
+    if lo < hi:
+        m_i, l_i, acc = _softmax_block(q_rot, q_pass, kr, kp, v, valid, m_i, l_i, acc)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+        kr, kp, v, valid = _kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, b, kvh, start, hi, offs_rot,
+                                     offs_pass, offs_d, HKV, D, PAGE, BLOCK_N)
+        m_i, l_i, acc = _softmax_block(q_rot, q_pass, kr, kp, v, valid, m_i, l_i, acc)
     if SPLITS == 1:
         tl.store(out_ptr + (b * H + h) * D + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
     else:
