@@ -17,7 +17,6 @@ from kestrel_backend.model.text import attend, rope_table, split_qkv_with_rope  
 from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
 
 
-
 def rel_err(got, ref):
     return float((got.double() - ref.double()).norm() / ref.double().norm())
 
@@ -26,7 +25,7 @@ def rel_err(got, ref):
 def test_norm_linear_matches_layer_norm_then_linear(m):
     g = torch.Generator().manual_seed(m)
     k, n1, n2 = 128, 384, 256
-    x = (torch.randn(m, k, generator=g) * 3 + 1)
+    x = torch.randn(m, k, generator=g) * 3 + 1
     ln_w, ln_b = torch.randn(k, generator=g), torch.randn(k, generator=g)
     w1, b1 = (torch.randn(n1, k, generator=g) / 11), torch.randn(n1, generator=g)
     w2, b2 = (torch.randn(n2, k, generator=g) / 11), torch.randn(n2, generator=g)
