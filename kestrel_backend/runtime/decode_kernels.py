@@ -120,6 +120,17 @@ def _norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_p
 
 
 @triton.jit
+def _matmul_into(acc, a_ptr, a_stride, w_ptr, offs_m, m_mask, offs_n, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a[offs_m] @ w[offs_n].T over all K, a with row stride a_stride, w [N, K] contiguous."""
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + offs_m[:, None] * a_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        acc = _mac(acc, a, tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :]), USE_DOT, PRECISION)
+    return acc
+
+
+@triton.jit
 def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, res_ptr, res_stride, bias_ptr, out_ptr,
                              M, K1: tl.constexpr, K2: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
@@ -129,14 +140,8 @@ def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, r
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K1, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + offs_m[:, None] * a_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-        acc = _mac(acc, a, tl.load(w1_ptr + offs_n[:, None] * K1 + offs_k[None, :]), USE_DOT, PRECISION)
-    for k0 in range(0, K2, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        c = tl.load(c_ptr + offs_m[:, None] * c_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-        acc = _mac(acc, c, tl.load(w2_ptr + offs_n[:, None] * K2 + offs_k[None, :]), USE_DOT, PRECISION)
+    acc = _matmul_into(acc, a_ptr, a_stride, w1_ptr, offs_m, m_mask, offs_n, K1, BLOCK_K, USE_DOT, PRECISION)
+    acc = _matmul_into(acc, c_ptr, c_stride, w2_ptr, offs_m, m_mask, offs_n, K2, BLOCK_K, USE_DOT, PRECISION)
     res = tl.load(res_ptr + offs_m[:, None] * res_stride + offs_n[None, :], mask=m_mask[:, None], other=0.0)
     acc += res.to(tl.float32) + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
@@ -231,6 +236,16 @@ def linear2_residual(a, w1, c, w2, residual, bias, tiles=None):
 
 
 @triton.jit
+def _rotated(head_ptr, c, s, HALF: tl.constexpr):
+    """A head's first 2*HALF dims rotated, float32: the input halves are the real and imaginary parts,
+    the output interleaves them (the reference's layout)."""
+    i = tl.arange(0, HALF)
+    re = tl.load(head_ptr + i).to(tl.float32)
+    im = tl.load(head_ptr + HALF + i).to(tl.float32)
+    return tl.reshape(tl.join(re * c - im * s, re * s + im * c), [2 * HALF])
+
+
+@triton.jit
 def _kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, b, kvh, start, hi, offs_rot, offs_pass, offs_d,
               HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Cached keys (rotated part, passed part) and values of positions [start, start + BLOCK_N) below hi."""
@@ -286,15 +301,11 @@ def _rotary_paged_attention_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, k_ptr,
     i = tl.arange(0, HALF)
     c = tl.load(cos_ptr + b * HALF + i)
     s = tl.load(sin_ptr + b * HALF + i)
-    q_re = tl.load(row + h * D + i).to(tl.float32)
-    q_im = tl.load(row + h * D + HALF + i).to(tl.float32)
-    q_rot = tl.reshape(tl.join(q_re * c - q_im * s, q_re * s + q_im * c), [ROT]) * scale
+    q_rot = _rotated(row + h * D, c, s, HALF) * scale
     q_pass = tl.load(row + h * D + offs_pass).to(tl.float32) * scale
     if split == 0:
         k_row = row + (H + kvh) * D
-        k_re = tl.load(k_row + i).to(tl.float32)
-        k_im = tl.load(k_row + HALF + i).to(tl.float32)
-        k_rot = tl.reshape(tl.join(k_re * c - k_im * s, k_re * s + k_im * c), [ROT]).to(k_ptr.dtype.element_ty)
+        k_rot = _rotated(k_row, c, s, HALF).to(k_ptr.dtype.element_ty)
         k_pass = tl.load(k_row + offs_pass)
         v_new = tl.load(row + (H + HKV + kvh) * D + offs_d)
         if h % (H // HKV) == 0:
