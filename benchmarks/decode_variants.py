@@ -1,6 +1,7 @@
 """A/B of decode-step variants for one or two sequences (GPU only): the attention split over the
-context or one program per sequence and head; with programmatic dependent launch or without. The variants' CUDA graphs are replayed in interleaved
-rounds, so clock drift hits them alike (separate runs differ by 5 to 10%).
+context or one program per sequence and head; with programmatic dependent launch or without; the
+attention as a kernel of its own or inside the norm + qkv/fc1 kernel (one kernel). The variants' CUDA
+graphs are replayed in interleaved rounds, so clock drift hits them alike (separate runs differ by 5 to 10%).
 
     python benchmarks/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20]
 """
@@ -17,7 +18,7 @@ from benchmarks.gpu_bench import timed  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
-from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
+from kestrel_backend.runtime import cuda_decode, decode_kernels as dk  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import StepInputs, fused_decode_step  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 
@@ -30,20 +31,23 @@ def main() -> None:
     args = p.parse_args()
     config = MoondreamConfig()
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
-    variants = {"1 split": (1, True), "split": (None, True), "1 split, no PDL": (1, False),
-                "split, no PDL": (None, False)}
+    variants = {"1 split": (1, True, False), "split": (None, True, False), "1 split, no PDL": (1, False, False),
+                "split, no PDL": (None, False, False), "one kernel, 1 split": (1, True, True)}
+    variants.update({f"one kernel, {s} splits": (s, True, True) for s in (4, 8, 16)})
     for context in (int(c) for c in args.contexts.split(",")):
         cache = PagedKVCache(config.text, args.batch * (context // 16 + 1), 16, "cuda", torch.bfloat16)
         for i in range(args.batch):
             cache.allocate(i, context + 1)
         inputs = StepInputs(args.batch, cache.pages_for(context + 1), cache, model.rope, "cuda")
-        inputs.upload(list(range(args.batch)), [context] * args.batch, args.batch)
+        inputs.upload([0] * args.batch, list(range(args.batch)), [context] * args.batch, args.batch)
+        inputs.copy_to_device()
         x = torch.randn(args.batch, config.text.dim, device="cuda", dtype=torch.bfloat16)
         logits = torch.empty(args.batch, config.text.vocab_size, device="cuda")
         graphs = {}
         with torch.inference_mode():
-            for name, (splits, pdl) in variants.items():
+            for name, (splits, pdl, one_kernel) in variants.items():
                 dk.PDL_ENABLED = pdl  # read at launch, so while capturing
+                cuda_decode.ATTENTION_IN_NORM_LINEAR = one_kernel
                 step = lambda: fused_decode_step(model, x, cache, inputs.rows(args.batch), logits, splits)  # noqa: E731
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
@@ -54,7 +58,7 @@ def main() -> None:
                 graphs[name] = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graphs[name]):
                     step()
-            dk.PDL_ENABLED = True
+            dk.PDL_ENABLED = cuda_decode.ATTENTION_IN_NORM_LINEAR = True
             times = {name: [] for name in variants}
             for _ in range(args.rounds):
                 for name, graph in graphs.items():

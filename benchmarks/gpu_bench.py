@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -89,22 +90,26 @@ def text_weight_bytes(config: MoondreamConfig) -> int:
 
 
 def decode_steps(model: Moondream, batches, context: int, bandwidth: float, backend: str) -> list[dict]:
-    """One decode step (forward + LM head + argmax) for `batch` sequences holding `context` tokens each."""
+    """One decode step (forward + LM head + greedy choice) for `batch` sequences holding about `context` tokens
+    each (context to context + 7: positions move on between steps, as in the engine)."""
     cfg = model.config.text
     rows = []
     for bsz in batches:
-        cache = PagedKVCache(cfg, bsz * (-(-(context + 1) // 16)), 16, "cuda", torch.bfloat16)
+        cache = PagedKVCache(cfg, bsz * (-(-(context + 9) // 16)), 16, "cuda", torch.bfloat16)
         for i in range(bsz):
-            cache.allocate(i, context + 1)
+            cache.allocate(i, context + 9)
         cache.k.normal_()
         cache.v.normal_()
         x = torch.randn(bsz, cfg.dim, device="cuda", dtype=torch.bfloat16)
         if backend.startswith("graph"):
-            decoder = CudaGraphDecoder(model, cache, bsz, context + 1)
-            ids, positions = list(range(bsz)), [context] * bsz
+            decoder = CudaGraphDecoder(model, cache, bsz, context + 9)
+            ids, tokens, steps = list(range(bsz)), [11] * bsz, itertools.count()
 
-            def step():
-                return decoder.run(x, ids, positions)[0].argmax(-1)
+            def step():  # as the scheduler runs it: positions move on, the next step is staged during this one
+                positions = [context + next(steps) % 8] * bsz
+                logits, _, greedy = decoder.run(tokens, ids, positions, [()] * bsz)
+                decoder.prepare(ids, [p + 1 for p in positions])
+                return logits.argmax(-1) if greedy is None else greedy  # (one or two sequences: chosen in the step)
         else:
             attention = TorchPagedAttention(cache)
             pos = torch.full((1,), context, device="cuda")
@@ -121,7 +126,7 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
                 ms = timed(step, iters=50)
         finally:
             dk.PDL_ENABLED = True
-        kv_bytes = bsz * (context + 1) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+        kv_bytes = bsz * (context + 4) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
         floor = (text_weight_bytes(model.config) + kv_bytes) / bandwidth * 1000
         rows.append({"backend": backend, "batch": bsz, "context": context, "step_ms": ms, "floor_ms": floor,
                      "ratio": ms / floor, "tokens_per_s": bsz / ms * 1000})
@@ -185,6 +190,37 @@ def kernel_check() -> dict:
             ref = attend(q_ref[i:i + 1], k[rows].double(), v[rows].double())
             errs.append(rel(got[i].view(1, cfg.n_heads, d), ref))
         out[f"rotary_paged_attention_{name}"] = max(errs)
+        out[f"norm_linear_attention_{name}_vs_two_kernels"] = one_kernel_check(cfg, f)
+    return out
+
+
+def one_kernel_check(cfg, f: dict, runs: int = 30) -> dict:
+    """norm_linear_attention (attention programs waiting on qkv programs) against norm_linear followed by
+    rotary_paged_attention, repeated on the same data, one split and many: the largest relative
+    difference per case. A synchronisation fault would read unwritten q/k/v: a difference of order 1."""
+    page, out = 16, {}
+    for lens, splits in (([65], 1), ([800], 8), ([1500], 16)):
+        m, h, d = len(lens), cfg.n_heads, cfg.head_dim
+        tables = torch.randperm(100 * m, device="cuda").int().view(m, 100)  # scattered pages
+        last = torch.tensor(lens, device="cuda") - 1
+        slots = (tables[torch.arange(m, device="cuda"), last // page].long() * page + last % page).int()
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        k, v = torch.randn(100 * m * page, h, d, **f), torch.randn(100 * m * page, h, d, **f)
+        x = torch.randn(m, cfg.dim, **f)
+        ln_w, ln_b = torch.randn(cfg.dim, **f), torch.randn(cfg.dim, **f)
+        wq, bq = torch.randn(3 * cfg.dim, cfg.dim, **f) / 45, torch.randn(3 * cfg.dim, **f)
+        wf, bf = torch.randn(cfg.ff_dim, cfg.dim, **f) / 45, torch.randn(cfg.ff_dim, **f)
+        cos, sin = torch.rand(m, cfg.rope_dim // 2, device="cuda"), torch.rand(m, cfg.rope_dim // 2, device="cuda")
+        qkv, fc1 = dk.norm_linear(x, ln_w, ln_b, wq, bq, wf, bf, gelu2=True)
+        ref = dk.rotary_paged_attention(qkv, cos, sin, k, v, tables, seq_lens, slots, h, page, splits=splits).double()
+        worst = 0.0
+        for _ in range(runs):
+            sync = torch.zeros(h * (1 + m), dtype=torch.int32, device="cuda")
+            got, got_fc1 = dk.norm_linear_attention(x, ln_w, ln_b, wq, bq, wf, bf, cos, sin, k, v, tables, seq_lens,
+                                                    slots, page, sync, splits)
+            worst = max(worst, float((got.double() - ref).norm() / ref.norm()),
+                        float((got_fc1.double() - fc1.double()).norm() / fc1.double().norm()))
+        out[f"ctx{lens[0]}_splits{splits}"] = worst
     return out
 
 

@@ -7,7 +7,10 @@ between them (launch gaps, ramp-up and tails of short kernels).
 """
 
 import argparse
+import itertools
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,21 +31,36 @@ def main() -> None:
     args = p.parse_args()
     config = MoondreamConfig()
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
-    cache = PagedKVCache(config.text, args.batch * (args.context // 16 + 1), 16, "cuda", torch.bfloat16)
+    cache = PagedKVCache(config.text, args.batch * (args.context // 16 + 2), 16, "cuda", torch.bfloat16)
     for i in range(args.batch):
-        cache.allocate(i, args.context + 1)
-    decoder = CudaGraphDecoder(model, cache, args.batch, args.context + 1)
-    x = torch.randn(args.batch, config.text.dim, device="cuda", dtype=torch.bfloat16)
-    ids, positions = list(range(args.batch)), [args.context] * args.batch
-    decoder.run(x, ids, positions)
+        cache.allocate(i, args.context + 9)
+    decoder = CudaGraphDecoder(model, cache, args.batch, args.context + 9)
+    ids, tokens, positions = list(range(args.batch)), [11] * args.batch, [args.context] * args.batch
+    decoder.run(tokens, ids, positions)
     graph = next(iter(decoder.graphs.values()))  # the one graph that step captured
-    replay_ms = timed(graph.replay, iters=50)
-    step_ms = timed(lambda: decoder.run(x, ids, positions), iters=50)
-    # host time of each part of run(): it adds to the step, the GPU waits for it
-    import time
+    steps = itertools.count()
 
-    parts = {"upload": lambda: decoder.inputs.upload(ids, positions, decoder.buckets[-1]),
-             "x copy": lambda: decoder.x[:args.batch].copy_(x), "replay launch": graph.replay}
+    def engine_step():  # as gpu_bench.decode_steps and the scheduler run it
+        moved = [args.context + next(steps) % 8] * args.batch
+        logits, _, greedy = decoder.run(tokens, ids, moved, [()] * args.batch)
+        decoder.prepare(ids, [p + 1 for p in moved])
+        return logits.argmax(-1) if greedy is None else greedy
+
+    variants = {"graph replay alone": graph.replay, "run()": lambda: decoder.run(tokens, ids, positions),
+                "run() + argmax": lambda: decoder.run(tokens, ids, positions)[0].argmax(-1),
+                "engine step (moving positions, prepare, greedy choice)": engine_step}
+    times = {name: [] for name in variants}
+    for _ in range(10):  # interleaved rounds: clock drift hits every variant alike
+        for name, fn in variants.items():
+            times[name].append(timed(fn, warmup=2, iters=10))
+    for name, t in times.items():
+        print(f"{name}: {statistics.median(t):.3f} ms", flush=True)
+    replay_ms, step_ms = statistics.median(times["graph replay alone"]), statistics.median(times["run()"])
+    # host time of each part of a step: what the GPU waits for, except prepare (staged during the step before)
+    moved = itertools.count()
+    parts = {"prepare (fill the rows)": lambda: decoder.prepare(ids, [args.context - next(moved) % 2] * args.batch),
+             "upload (rows staged)": lambda: decoder.inputs.upload(tokens, ids, positions, decoder.buckets[-1]),
+             "replay launch": graph.replay}
     for name, fn in parts.items():
         torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -37,6 +37,16 @@ def test_norm_linear_matches_layer_norm_then_linear(m):
     assert dk.norm_linear(x, ln_w, ln_b, w1, b1, out1=logits)[1] is None
     assert rel_err(logits, F.linear(h, w1.double(), b1.double())) < 1e-6
 
+    # ... and with the greedy choice: ties go to the lowest token id, banned tokens are -inf and skipped
+    b1[100] += 1000
+    w1[300:], b1[300:] = w1[100:184], b1[100:184]  # tokens 100 and 300 tie for the best logit of every row
+    banned = torch.full((m, 2), -1, dtype=torch.int32)
+    banned[0] = torch.tensor([100, 5])
+    best = torch.full((m,), torch.iinfo(torch.int64).min)
+    dk.norm_linear(x, ln_w, ln_b, w1, b1, out1=logits, banned=banned, best=best)
+    assert logits[0, 100] == logits[0, 5] == float("-inf")
+    assert dk.greedy_tokens(best).tolist() == [300] + [100] * (m - 1)
+
 
 @pytest.mark.parametrize("m", [1, 33])
 def test_linear2_residual_matches_torch(m):
@@ -51,13 +61,10 @@ def test_linear2_residual_matches_torch(m):
     assert rel_err(got, ref) < 1e-6
 
 
-@pytest.mark.parametrize("splits", [1, 4])  # the context in one program, or shared by four (flash-decoding)
-def test_rotary_paged_attention_matches_rope_then_attention(splits):
-    cfg = TextConfig(dim=256, ff_dim=512, n_layers=1, n_heads=4, n_kv_heads=2)  # grouped-query, head_dim 64
-    g = torch.Generator().manual_seed(0)
-    page, lens = 4, [1, 6, 13, 150]  # tokens per sequence, the new one included
+def _paged_context(lens, page, hkv, d, g):
+    """Random caches whose pages are scattered, page tables for sequences of these lengths (the new token
+    included), and the cache row (slot) of each one's new token."""
     n_pages = sum(-(-n // page) for n in lens) + 2
-    hkv, d = cfg.n_kv_heads, cfg.head_dim
     k_cache, v_cache = torch.randn(n_pages * page, hkv, d, generator=g), torch.randn(n_pages * page, hkv, d, generator=g)
     perm = torch.randperm(n_pages, generator=g).tolist()
     tables = torch.zeros(len(lens), max(lens) // page + 1, dtype=torch.int32)
@@ -67,6 +74,17 @@ def test_rotary_paged_attention_matches_rope_then_attention(splits):
         perm = perm[need:]
     last = torch.tensor(lens) - 1
     slots = tables[torch.arange(len(lens)), last // page].long() * page + last % page
+    return k_cache, v_cache, tables, slots
+
+
+@pytest.mark.parametrize("splits", [1, 4])  # the context in one program, or shared by four (flash-decoding)
+def test_rotary_paged_attention_matches_rope_then_attention(splits):
+    cfg = TextConfig(dim=256, ff_dim=512, n_layers=1, n_heads=4, n_kv_heads=2)  # grouped-query, head_dim 64
+    g = torch.Generator().manual_seed(0)
+    page, lens = 4, [1, 6, 13, 150]  # tokens per sequence, the new one included
+    hkv, d = cfg.n_kv_heads, cfg.head_dim
+    k_cache, v_cache, tables, slots = _paged_context(lens, page, hkv, d, g)
+    last = torch.tensor(lens) - 1
     width = (cfg.n_heads + 2 * hkv) * d
     qkv = torch.randn(len(lens), 2 * width, generator=g)[:, :width]  # strided rows, like the engine's
     table = rope_table(cfg)
@@ -88,8 +106,38 @@ def test_rotary_paged_attention_matches_rope_then_attention(splits):
         assert rel_err(got[i].view(cfg.n_heads, d), ref[0]) < 1e-5
 
 
-# the GEMV form (with the attention split over the context, or not), and tensor cores for norm + qkv/fc1
-@pytest.mark.parametrize("n_seqs, splits", [(1, None), (1, 1), (3, None)])
+@pytest.mark.parametrize("lens, splits, block_n", [([9], 1, 8), ([150], 4, 4), ([1, 70], 2, 8)])
+def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n):
+    """The one-kernel form (attention programs waiting on the qkv programs of their head) equals
+    norm_linear followed by rotary_paged_attention, and each qkv program counted itself in once."""
+    cfg = TextConfig(dim=256, ff_dim=512, n_layers=1, n_heads=4, n_kv_heads=4)
+    g = torch.Generator().manual_seed(len(lens) * 10 + splits)
+    m, h, d, page = len(lens), cfg.n_heads, cfg.head_dim, 16
+    k_cache, v_cache, tables, slots = _paged_context(lens, page, h, d, g)
+    x = torch.randn(m, cfg.dim, generator=g) * 3 + 1
+    ln_w, ln_b = torch.randn(cfg.dim, generator=g), torch.randn(cfg.dim, generator=g)
+    wq, bq = torch.randn(3 * cfg.dim, cfg.dim, generator=g) / 16, torch.randn(3 * cfg.dim, generator=g)
+    wf, bf = torch.randn(cfg.ff_dim, cfg.dim, generator=g) / 16, torch.randn(cfg.ff_dim, generator=g)
+    last = torch.tensor(lens) - 1
+    table = rope_table(cfg)
+    cos, sin = table[last, :, 0].contiguous(), table[last, :, 1].contiguous()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    qkv, fc1_ref = dk.norm_linear(x, ln_w, ln_b, wq, bq, wf, bf, gelu2=True)
+    attn_ref = dk.rotary_paged_attention(qkv, cos, sin, k_ref, v_ref, tables, seq_lens, slots, h, page, splits=splits)
+    sync = torch.zeros(h * (1 + m), dtype=torch.int32)
+    attn, fc1 = dk.norm_linear_attention(x, ln_w, ln_b, wq, bq, wf, bf, cos, sin, k_cache, v_cache, tables, seq_lens,
+                                         slots, page, sync, splits, tiles=(m, block_n, 256, 4, 2, False))
+    assert rel_err(attn, attn_ref) < 1e-6 and rel_err(fc1, fc1_ref) < 1e-6
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # the new token's k/v, nothing else
+    assert sync[:h].tolist() == [3 * d // block_n] * h
+    assert sync[h:].tolist() == ([splits] * (m * h) if splits > 1 else [0] * (m * h))
+
+
+# one sequence: the attention inside the norm + qkv/fc1 kernel (split over the context, or not); two: the
+# GEMV kernels with the attention a kernel of its own; three: tensor cores for norm + qkv/fc1
+@pytest.mark.parametrize("n_seqs, splits", [(1, None), (1, 1), (2, None), (3, None)])
 def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs, splits):
     """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch
     step, after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens:
@@ -131,11 +179,20 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs, spl
     for sid in range(n_seqs):
         tables[sid, :len(cache.tables[sid])] = cache.table_tensors[sid]
     slots = tables[torch.arange(n_seqs), positions // 4] * 4 + positions % 4
+    banned = torch.full((n_seqs, 2), -1, dtype=torch.int32)
+    banned[0, 1] = int(logits_ref[0].argmax())  # the GEMV form's LM head applies it, and chooses greedily
     inputs = StepTensors(tables, (positions + 1).int(), slots.int(), model.rope[positions, :, 0].contiguous(),
-                         model.rope[positions, :, 1].contiguous())
-    logits = torch.empty(n_seqs, 512)
-    hidden = fused_decode_step(model, x, cache, inputs, logits, splits)
-    assert rel_err(hidden, hidden_ref) < 1e-5 and rel_err(logits, logits_ref) < 1e-5
+                         model.rope[positions, :, 1].contiguous(), banned)
+    logits, greedy = torch.empty(n_seqs, 512), torch.full((n_seqs,), -7)
+    hidden = fused_decode_step(model, x, cache, inputs, logits, splits, greedy)
+    if n_seqs <= dk.GEMV_MAX_ROWS:
+        assert logits[0, banned[0, 1]] == float("-inf")
+        logits_ref[0, banned[0, 1]] = float("-inf")
+        assert greedy.tolist() == logits_ref.argmax(-1).tolist()
+    else:
+        assert greedy.tolist() == [-7] * n_seqs  # (the scheduler chooses from the logits)
+    kept = torch.isfinite(logits_ref)
+    assert rel_err(hidden, hidden_ref) < 1e-5 and rel_err(logits[kept], logits_ref[kept]) < 1e-5
     assert torch.equal(logits.argmax(-1), logits_ref.argmax(-1))
     assert rel_err(cache.k, torch_cache.k) < 1e-6 and rel_err(cache.v, torch_cache.v) < 1e-6  # the new rows
 
@@ -162,9 +219,16 @@ def test_step_inputs_pack_tables_lengths_slots_and_rotary_per_sequence(tiny_mode
     cache.free(5)
     cache.allocate(6, 13)  # pages reused out of order
     inputs = StepInputs(4, 10, cache, tiny_model.rope, "cpu")
-    for seq_ids, positions in (([9, 6], [6, 12]), ([6], [3])):  # the second step must clear the first's rows
-        inputs.upload(seq_ids, positions, 2)
+    inputs.prepare([9], [2], 2)  # staged for a step that does not come: the next upload must not use it
+    steps = (([9, 6], [6, 12], [17, -1]), ([6], [3], [5]), ([6], [4], [8]))
+    for i, (seq_ids, positions, tokens) in enumerate(steps):  # each step must clear the one before's rows
+        if i == 2:
+            inputs.prepare(seq_ids, positions, 2)  # staged ahead, as the scheduler does
+        inputs.upload(tokens, seq_ids, positions, 2, [(3,)] * (i == 0))
+        inputs.copy_to_device()
         got = inputs.rows(2)
+        assert inputs.tokens(len(tokens)).tolist() == tokens
+        assert got.banned.tolist() == ([[3, -1], [-1, -1]] if i == 0 else [[-1, -1]] * 2)
         pad = cache.scratch_page
         for row in range(2):
             if row < len(seq_ids):
@@ -176,3 +240,25 @@ def test_step_inputs_pack_tables_lengths_slots_and_rotary_per_sequence(tiny_mode
             assert got.seq_lens[row] == pos + 1 and got.slots[row] == want[pos // 4] * 4 + pos % 4
             assert torch.equal(got.cos[row], tiny_model.rope[pos, :, 0])
             assert torch.equal(got.sin[row], tiny_model.rope[pos, :, 1])
+
+
+def test_embed_rows_takes_token_embeddings_or_the_given_rows():
+    g = torch.Generator().manual_seed(0)
+    table, given = torch.randn(50, 256, generator=g), torch.randn(3, 256, generator=g)
+    got = dk.embed_rows(torch.tensor([7, -1, 49], dtype=torch.int32), table, given)
+    assert torch.equal(got, torch.stack([table[7], given[1], table[49]]))
+
+
+def test_every_kernel_compiles_for_hopper_and_ampere():
+    """The interpreter does not type-check the kernels as the compiler does: compile them all to cubins
+    (sm90 with PDL, sm80) through Triton's compiler, here on the CPU (tests/compile_kernels.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "compile_kernels.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count("ok   sm90") >= 20 and "_norm_linear_attention_kernel" in run.stdout
+

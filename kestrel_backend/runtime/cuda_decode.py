@@ -15,32 +15,55 @@ import torch
 
 from ..model.moondream import Moondream
 from ..model.layers import layer_norm, linear, mlp_hidden
-from .decode_kernels import GEMV_MAX_ROWS, linear2_residual, norm_linear, rotary_paged_attention
+from .decode_kernels import (GEMV_MAX_ROWS, embed_rows, greedy_tokens, linear2_residual, norm_linear,
+                             norm_linear_attention, rotary_paged_attention)
 from .kv_cache import PagedKVCache
 
 
-def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, inputs: "StepTensors",
-                      logits_out: torch.Tensor, context_splits: int | None = None) -> torch.Tensor:
-    """One decode step (one new token per sequence) with the fused kernels, then the final norm and LM
-    head. Writes float32 logits into logits_out; returns the hidden states.
+ATTENTION_IN_NORM_LINEAR = True  # the one-kernel form of norm + qkv/fc1 + attention for one sequence (benchmarks
+#                                  compare without)
+ONE_KERNEL_SPLITS = 8  # its context splits for long contexts (H100, interleaved A/B: 8 best at 300 and 800 tokens;
+#                        16 at 2000 is 3% faster, 4 is 10 to 20% slower). With two sequences the one kernel lost.
 
-    Up to GEMV_MAX_ROWS sequences every weight is streamed by our kernels; past that, the norm + qkv/fc1
-    and the LM head go to cuBLAS's tensor-core GEMMs. context_splits: programs per sequence and head in
-    the attention (default: decode_kernels.context_splits)."""
+
+def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, inputs: "StepTensors",
+                      logits_out: torch.Tensor, context_splits: int | None = None,
+                      greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step (one new token per sequence) with the fused kernels, then the final norm and LM
+    head. Writes float32 logits into logits_out; returns the hidden states. With greedy_out, in the GEMV
+    form the LM head also bans each row's inputs.banned tokens and writes its greedy token there.
+
+    Up to GEMV_MAX_ROWS sequences every weight is streamed by our kernels (for one sequence the
+    attention runs inside the norm + qkv/fc1 kernel); past that, the norm + qkv/fc1 and the LM head go
+    to cuBLAS's tensor-core GEMMs. context_splits: programs per sequence and head in the attention
+    (default: decode_kernels.context_splits; ONE_KERNEL_SPLITS for the one-kernel form)."""
     cfg, w, page = model.config.text, model.weights.text, cache.page_size
     gemv = x.shape[0] <= GEMV_MAX_ROWS
+    one_kernel = x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR
+    if one_kernel:  # zeros for the attention programs' counters: one row per layer
+        sync = torch.zeros(len(w.blocks), cfg.n_heads * (1 + x.shape[0]), device=x.device, dtype=torch.int32)
     for i, block in enumerate(w.blocks):
-        if gemv:
-            qkv, g = norm_linear(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
-                                 block.mlp.fc1.weight, block.mlp.fc1.bias, gelu2=True)
+        if one_kernel:
+            out, g = norm_linear_attention(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
+                                           block.mlp.fc1.weight, block.mlp.fc1.bias, inputs.cos, inputs.sin,
+                                           cache.k[i], cache.v[i], inputs.block_tables, inputs.seq_lens, inputs.slots,
+                                           page, sync[i], context_splits or ONE_KERNEL_SPLITS)
         else:
-            h = layer_norm(x, block.ln)
-            qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
-        out = rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[i], cache.v[i], inputs.block_tables,
-                                     inputs.seq_lens, inputs.slots, cfg.n_heads, page, splits=context_splits)
+            if gemv:
+                qkv, g = norm_linear(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
+                                     block.mlp.fc1.weight, block.mlp.fc1.bias, gelu2=True)
+            else:
+                h = layer_norm(x, block.ln)
+                qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
+            out = rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[i], cache.v[i], inputs.block_tables,
+                                         inputs.seq_lens, inputs.slots, cfg.n_heads, page, splits=context_splits)
         x = linear2_residual(out, block.proj.weight, g, block.mlp.fc2.weight, x, block.out_bias)
     if gemv:
-        norm_linear(x, w.post_ln.weight, w.post_ln.bias, w.lm_head.weight, w.lm_head.bias, out1=logits_out)
+        best = None if greedy_out is None else torch.full_like(greedy_out, torch.iinfo(torch.int64).min)
+        norm_linear(x, w.post_ln.weight, w.post_ln.bias, w.lm_head.weight, w.lm_head.bias, out1=logits_out,
+                    banned=inputs.banned, best=best)
+        if best is not None:
+            greedy_out.copy_(greedy_tokens(best))
     else:
         logits_out.copy_(model.logits(x))
     return x
@@ -49,43 +72,61 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
 @dataclass
 class StepTensors:
     """What a decode step reads besides the activations, per sequence: its page table, its length
-    counting the new token, the cache row of the new token, and the rotary cos/sin of its position."""
+    counting the new token, the cache row of the new token, the rotary cos/sin of its position, and the
+    tokens its greedy choice may not take."""
 
     block_tables: torch.Tensor  # [B, max_pages] int32
     seq_lens: torch.Tensor  # [B] int32
     slots: torch.Tensor  # [B] int32
     cos: torch.Tensor  # [B, rope_dim / 2] float32
     sin: torch.Tensor
+    banned: torch.Tensor  # [B, MAX_BANNED] int32 token ids the greedy choice skips, -1 for none
+
+
+MAX_BANNED = 2  # per sequence and step (a generation bans at most two tokens)
 
 
 class StepInputs:
-    """StepTensors for up to n sequences, computed on the host and packed in one pinned buffer, so a
-    step needs one host-to-device copy and no small index kernels. float32 fields are stored bit for
-    bit in the int32 buffer. The host side is filled through numpy: per-step host time is step time."""
+    """StepTensors and each row's input token for up to n sequences, computed on the host and packed in
+    one pinned buffer, so a step needs no small index kernels and its one host-to-device copy is a node
+    of the step's graph (copy_to_device). float32 fields are stored bit for bit in the int32 buffer.
+    The rows are filled through numpy into a staging array, which prepare() can do for the next step
+    while the GPU runs this one: host time between steps is time the GPU waits."""
 
     def __init__(self, n: int, max_pages: int, cache: PagedKVCache, rope: torch.Tensor, device):
         self.cache, self.n, self.max_pages = cache, n, max_pages
         self.rope = rope.cpu().numpy()  # [max_context, rope_dim / 2, 2] float32
         half = self.rope.shape[1]
-        self._sizes = [n * max_pages, n, n, n * half, n * half]
+        # tables, lengths, slots, cos, sin, banned tokens, input tokens
+        self._sizes = [n * max_pages, n, n, n * half, n * half, n * MAX_BANNED, n]
         cuda = torch.device(device).type == "cuda"  # (the CPU form is for the tests)
         self.host = torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=cuda)
         self.device = torch.zeros_like(self.host, device=device)
         self._copied = torch.cuda.Event() if cuda else None
-        tables, self._lens, self._slots, cos, sin = np.split(self.host.numpy(), np.cumsum(self._sizes)[:-1])
+        self._staged, self._staged_for = np.zeros(sum(self._sizes), dtype=np.int32), None
+        self._staged[-n * (1 + MAX_BANNED):-n] = -1
+        tables, self._lens, self._slots, cos, sin, _, _ = np.split(self._staged, np.cumsum(self._sizes)[:-1])
         self._tables = tables.reshape(n, max_pages)
         self._cos, self._sin = cos.view(np.float32).reshape(n, half), sin.view(np.float32).reshape(n, half)
+        self._banned = self.host.numpy()[-n * (1 + MAX_BANNED):-n].reshape(n, MAX_BANNED)
+        self._tokens = self.host.numpy()[-n:]
 
     def rows(self, b: int) -> StepTensors:
         """Device views for the first b sequences (static addresses: graph inputs)."""
-        tables, lens, slots, cos, sin = self.device.split(self._sizes)
+        tables, lens, slots, cos, sin, banned, _ = self.device.split(self._sizes)
         return StepTensors(tables.view(self.n, self.max_pages)[:b], lens[:b], slots[:b],
-                           cos.view(torch.float32).view(self.n, -1)[:b], sin.view(torch.float32).view(self.n, -1)[:b])
+                           cos.view(torch.float32).view(self.n, -1)[:b], sin.view(torch.float32).view(self.n, -1)[:b],
+                           banned.view(self.n, MAX_BANNED)[:b])
 
-    def upload(self, seq_ids: list[int], positions: list[int], bucket: int) -> None:
-        """Fill rows for these sequences; padding rows up to the bucket write to the scratch page."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the host buffer
+    def tokens(self, b: int) -> torch.Tensor:
+        """Device view of the first b rows' input tokens (-1 where the input is an embedding)."""
+        return self.device[-self.n:][:b]
+
+    def prepare(self, seq_ids: list[int], positions: list[int], bucket: int) -> None:
+        """Stage the rows of a step over these sequences at these positions; padding rows up to the
+        bucket write to the scratch page. Nothing is done if they are staged already."""
+        if self._staged_for == (seq_ids, positions, bucket):
+            return
         page, tables = self.cache.page_size, self._tables[:bucket]
         tables.fill(self.cache.scratch_page)
         for i, sid in enumerate(seq_ids):
@@ -96,7 +137,25 @@ class StepInputs:
         self._slots[:bucket] = tables[np.arange(bucket), pos // page] * page + pos % page
         self._lens[:bucket] = pos + 1
         self._cos[:bucket], self._sin[:bucket] = self.rope[pos, :, 0], self.rope[pos, :, 1]
+        self._staged_for = (list(seq_ids), list(positions), bucket)
+
+    def upload(self, tokens: list[int], seq_ids: list[int], positions: list[int], bucket: int,
+               banned: list[tuple[int, ...]] = ()) -> None:
+        """This step's rows (staged now unless prepare() did), input tokens and banned tokens (at most
+        MAX_BANNED per sequence) into the pinned buffer."""
+        self.prepare(seq_ids, positions, bucket)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the pinned buffer
+        np.copyto(self.host.numpy(), self._staged)  # (banned rows: -1, from the staging array)
+        self._tokens[:len(tokens)] = tokens
+        for row, tokens_out in enumerate(banned):
+            self._banned[row, :len(tokens_out)] = tokens_out
+
+    def copy_to_device(self) -> None:
+        """The host-to-device copy, issued inside the step (a node of its graph)."""
         self.device.copy_(self.host, non_blocking=True)
+
+    def step_launched(self) -> None:
         if self._copied is not None:
             self._copied.record()
 
@@ -115,16 +174,19 @@ class CudaGraphDecoder:
         dev, dim = model.device, model.config.text.dim
         self.buckets = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch} | {max_batch})
         self.inputs = StepInputs(max_batch, cache.pages_for(max_context), cache, model.rope, dev)
-        self.x = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)
+        self.given = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)  # inputs that are not tokens
         self.logits = torch.zeros(max_batch, model.config.text.vocab_size, device=dev, dtype=torch.float32)
         self.hidden = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)
+        self.greedy = torch.zeros(max_batch, device=dev, dtype=torch.int64)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
     def _step(self, b: int, long_context: bool) -> None:
+        self.inputs.copy_to_device()
+        x = embed_rows(self.inputs.tokens(b), self.model.weights.text.wte, self.given[:b])
         splits = 1 if b <= GEMV_MAX_ROWS and not long_context else None
-        self.hidden[:b] = fused_decode_step(self.model, self.x[:b], self.cache, self.inputs.rows(b), self.logits[:b],
-                                            splits)
+        self.hidden[:b] = fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,
+                                            self.greedy[:b])
 
     def _graph(self, b: int, long_context: bool) -> torch.cuda.CUDAGraph:
         if (b, long_context) not in self.graphs:
@@ -146,19 +208,36 @@ class CudaGraphDecoder:
         return [False, True] if bucket <= GEMV_MAX_ROWS else [False]
 
     def warmup(self) -> None:
-        self.inputs.upload([], [], max(self.buckets))  # every row padding: all writes go to the scratch page
+        self.inputs.upload([], [], [], max(self.buckets))  # every row padding: all writes go to the scratch page
         with torch.inference_mode():
             for b in self.buckets:
                 for long_context in self._variants(b):
                     self._graph(b, long_context)
 
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
     @torch.inference_mode()
-    def run(self, inputs: torch.Tensor, seq_ids: list[int], positions: list[int]):
-        """inputs [B, dim] at these positions -> (logits [B, V], hidden [B, dim]) views of static buffers."""
+    def run(self, inputs: list, seq_ids: list[int], positions: list[int], banned: list[tuple[int, ...]] | None = None):
+        """One step. inputs: per sequence a token id, or an input embedding [dim] (a region head's), at
+        these positions; banned: per sequence the tokens its greedy choice may not take. -> (logits
+        [B, V], hidden [B, dim], greedy [B] or None), views of static buffers, not yet computed when this
+        returns (the GPU runs the step). greedy, each row's argmax with its bans applied (which are -inf
+        in logits then), comes with the GEMV form of the step when every row bans at most MAX_BANNED."""
         n = len(seq_ids)
-        bucket = next(b for b in self.buckets if b >= n)
+        bucket = self._bucket(n)
         long_context = self._variants(bucket)[-1] and max(positions) >= LONG_CONTEXT
-        self.inputs.upload(seq_ids, positions, bucket)
-        self.x[:n].copy_(inputs)
+        tokens = [t if isinstance(t, int) else -1 for t in inputs]
+        for i, given in enumerate(inputs):
+            if not isinstance(given, int):
+                self.given[i].copy_(given.reshape(-1))
+        fits = banned is not None and all(len(b) <= MAX_BANNED for b in banned)
+        self.inputs.upload(tokens, seq_ids, positions, bucket, banned if fits else ())
         self._graph(bucket, long_context).replay()
-        return self.logits[:n], self.hidden[:n]
+        self.inputs.step_launched()
+        greedy = self.greedy[:n] if fits and bucket <= GEMV_MAX_ROWS else None
+        return self.logits[:n], self.hidden[:n], greedy
+
+    def prepare(self, seq_ids: list[int], positions: list[int]) -> None:
+        """Stage a likely next step (these sequences at these positions) while the GPU runs this one."""
+        self.inputs.prepare(seq_ids, positions, self._bucket(len(seq_ids)))

@@ -68,65 +68,132 @@ def _row_stats(x_ptr, x_stride, offs_m, m_mask, K: tl.constexpr, eps, BLOCK_M: t
 
 
 @triton.jit
-def _normed_matmul(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, offs_m, m_mask, offs_n, K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """layer_norm(x[offs_m]) @ w[offs_n].T, the norm applied to each K chunk as it streams past."""
+def _weight_tile(w_ptr, offs_n, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows offs_n, columns [k0, k0 + BLOCK_K) of a weight [N, K]."""
+    return tl.load(w_ptr + offs_n[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :])
+
+
+@triton.jit
+def _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w, offs_m, m_mask, k0, BLOCK_K: tl.constexpr,
+                USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + layer_norm(x[offs_m])[:, k0:k0 + BLOCK_K] @ w.T, the norm applied to this chunk."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + offs_m[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+    gamma = tl.load(g_ptr + offs_k).to(tl.float32)
+    beta = tl.load(b_ptr + offs_k).to(tl.float32)
+    xn = (x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
+    return _mac(acc, xn.to(w.dtype), w, USE_DOT, PRECISION)  # rounded like torch's normed activations
+
+
+@triton.jit
+def _normed_matmul(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, w_first, offs_m, m_mask, offs_n,
+                   K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """layer_norm(x[offs_m]) @ w[offs_n].T, the norm applied to each K chunk as it streams past. w_first
+    is the first chunk of the weight, which the caller loads before waiting for the previous kernel: in
+    the GEMV form; with tensor cores the loop loads it (a chunk held ahead would need shared memory)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-        gamma = tl.load(g_ptr + offs_k).to(tl.float32)
-        beta = tl.load(b_ptr + offs_k).to(tl.float32)
-        xn = (x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :])
-        acc = _mac(acc, xn.to(w.dtype), w, USE_DOT, PRECISION)  # rounded like torch's normed activations
+    if not USE_DOT:
+        acc = _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_first, offs_m, m_mask, 0, BLOCK_K,
+                          USE_DOT, PRECISION)
+    for k0 in range(0 if USE_DOT else BLOCK_K, K, BLOCK_K):
+        acc = _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K),
+                          offs_m, m_mask, k0, BLOCK_K, USE_DOT, PRECISION)
     return acc
 
 
 @triton.jit
-def _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, bias_ptr, out_ptr, block, offs_m, m_mask,
-                      K: tl.constexpr, N: tl.constexpr, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """Output columns [block * BLOCK_N, +BLOCK_N) of one weight: matmul, bias, optional GELU, store."""
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _normed_matmul(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, offs_m, m_mask, offs_n, K,
+def _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, w_first, bias_ptr, offs_n, offs_m, m_mask,
+                      K: tl.constexpr, GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Output columns offs_n of one weight: matmul, bias, optional GELU."""
+    acc = _normed_matmul(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, w_first, offs_m, m_mask, offs_n, K,
                          BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
     acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     if GELU:
         acc = _gelu_tanh(acc)
+    return acc
+
+
+@triton.jit
+def _store_columns(out_ptr, acc, offs_m, m_mask, offs_n, N: tl.constexpr):
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
 @triton.jit
-def _norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_ptr, w2_ptr, bias2_ptr, out2_ptr,
-                        M, eps, K: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
-                        GELU2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        STATS_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-                        PDL: tl.constexpr):
-    """Programs [0, N1 / BLOCK_N) fill out1 from w1, the rest out2 from w2; all share the normed x."""
-    _after_previous_kernel(PDL)
-    pid_n = tl.program_id(0)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    mean, rstd = _row_stats(x_ptr, x_stride, offs_m, m_mask, K, eps, BLOCK_M, STATS_K)
-    if pid_n < N1 // BLOCK_N:
-        _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_ptr, pid_n, offs_m,
-                          m_mask, K, N1, False, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
-    else:
-        _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w2_ptr, bias2_ptr, out2_ptr,
-                          pid_n - N1 // BLOCK_N, offs_m, m_mask, K, N2, GELU2, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                          PRECISION)
+def _greedy_epilogue(acc, banned_ptr, best_ptr, offs_m, m_mask, offs_n, BANNED: tl.constexpr):
+    """Logits of the LM head: the rows' banned tokens (BANNED per row, -1 for none) become -inf, and
+    each row's best (logit, lowest token id) goes into best[row] as one int64 by atomic max. The
+    float's bits, made to order like signed ints, are the high half; 2^32 - 1 - token the low half."""
+    for j in tl.static_range(BANNED):
+        ban = tl.load(banned_ptr + offs_m * BANNED + j, mask=m_mask, other=-1)
+        acc = tl.where(offs_n[None, :] == ban[:, None], float("-inf"), acc)
+    bits = acc.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = (ordered.to(tl.int64) << 32) | (4294967295 - offs_n.to(tl.int64))[None, :]
+    tl.atomic_max(best_ptr + offs_m, tl.max(key, 1), mask=m_mask)
+    return acc
 
 
 @triton.jit
-def _matmul_into(acc, a_ptr, a_stride, w_ptr, offs_m, m_mask, offs_n, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a[offs_m] @ w[offs_n].T over all K, a with row stride a_stride, w [N, K] contiguous."""
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + offs_m[:, None] * a_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-        acc = _mac(acc, a, tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :]), USE_DOT, PRECISION)
+def _columns_and_first_tile(pid, w1_ptr, w2_ptr, N1: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """Which weight program pid streams (its first N1 / BLOCK_N programs w1, the rest w2), its output
+    columns, and its first weight chunk: weights are never written, so this load can be issued before
+    waiting for the previous kernel and overlaps that kernel's tail."""
+    first = pid < N1 // BLOCK_N
+    offs_n = tl.where(first, pid, pid - N1 // BLOCK_N) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if first:
+        w_first = _weight_tile(w1_ptr, offs_n, 0, K, BLOCK_K)
+    else:
+        w_first = _weight_tile(w2_ptr, offs_n, 0, K, BLOCK_K)
+    return first, offs_n, w_first
+
+
+@triton.jit
+def _norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_ptr, w2_ptr, bias2_ptr, out2_ptr,
+                        banned_ptr, best_ptr, M, eps, K: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
+                        GELU2: tl.constexpr, GREEDY: tl.constexpr, BANNED: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_K: tl.constexpr, USE_DOT: tl.constexpr,
+                        PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Programs [0, N1 / BLOCK_N) fill out1 from w1, the rest out2 from w2; all share the normed x.
+    GREEDY: out1 are logits; apply the bans and find each row's greedy token (_greedy_epilogue)."""
+    first, offs_n, w_first = _columns_and_first_tile(tl.program_id(0), w1_ptr, w2_ptr, N1, K, BLOCK_N, BLOCK_K)
+    _after_previous_kernel(PDL)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    mean, rstd = _row_stats(x_ptr, x_stride, offs_m, m_mask, K, eps, BLOCK_M, STATS_K)
+    if first:
+        acc = _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w1_ptr, w_first, bias1_ptr, offs_n, offs_m,
+                                m_mask, K, False, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+        if GREEDY:
+            acc = _greedy_epilogue(acc, banned_ptr, best_ptr, offs_m, m_mask, offs_n, BANNED)
+        _store_columns(out1_ptr, acc, offs_m, m_mask, offs_n, N1)
+    else:
+        acc = _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w2_ptr, w_first, bias2_ptr, offs_n, offs_m,
+                                m_mask, K, GELU2, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+        _store_columns(out2_ptr, acc, offs_m, m_mask, offs_n, N2)
+
+
+@triton.jit
+def _mac_chunk(acc, a_ptr, a_stride, w, offs_m, m_mask, k0, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """acc + a[offs_m, k0:k0 + BLOCK_K] @ w.T"""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_ptr + offs_m[:, None] * a_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+    return _mac(acc, a, w, USE_DOT, PRECISION)
+
+
+@triton.jit
+def _matmul_into(acc, a_ptr, a_stride, w_ptr, w_first, offs_m, m_mask, offs_n, K: tl.constexpr,
+                 BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a[offs_m] @ w[offs_n].T over all K, a with row stride a_stride, w [N, K] contiguous, its
+    first K chunk given (w_first; with tensor cores unused, as in _normed_matmul)."""
+    if not USE_DOT:
+        acc = _mac_chunk(acc, a_ptr, a_stride, w_first, offs_m, m_mask, 0, BLOCK_K, USE_DOT, PRECISION)
+    for k0 in range(0 if USE_DOT else BLOCK_K, K, BLOCK_K):
+        acc = _mac_chunk(acc, a_ptr, a_stride, _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K), offs_m, m_mask, k0,
+                         BLOCK_K, USE_DOT, PRECISION)
     return acc
 
 
@@ -135,13 +202,15 @@ def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, r
                              M, K1: tl.constexpr, K2: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                              PRECISION: tl.constexpr, PDL: tl.constexpr):
-    _after_previous_kernel(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_first = _weight_tile(w1_ptr, offs_n, 0, K1, BLOCK_K)  # before the wait: see _columns_and_first_tile
+    _after_previous_kernel(PDL)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc = _matmul_into(acc, a_ptr, a_stride, w1_ptr, offs_m, m_mask, offs_n, K1, BLOCK_K, USE_DOT, PRECISION)
-    acc = _matmul_into(acc, c_ptr, c_stride, w2_ptr, offs_m, m_mask, offs_n, K2, BLOCK_K, USE_DOT, PRECISION)
+    acc = _matmul_into(acc, a_ptr, a_stride, w1_ptr, w_first, offs_m, m_mask, offs_n, K1, BLOCK_K, USE_DOT, PRECISION)
+    acc = _matmul_into(acc, c_ptr, c_stride, w2_ptr, _weight_tile(w2_ptr, offs_n, 0, K2, BLOCK_K), offs_m, m_mask,
+                       offs_n, K2, BLOCK_K, USE_DOT, PRECISION)
     res = tl.load(res_ptr + offs_m[:, None] * res_stride + offs_n[None, :], mask=m_mask[:, None], other=0.0)
     acc += res.to(tl.float32) + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
@@ -197,14 +266,19 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays exact (parity); bf16 ignores it
 
 
-def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu2: bool = False, out1=None, tiles=None):
+def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu2: bool = False, out1=None, tiles=None,
+                banned=None, best=None):
     """layer_norm(x) @ w1.T + bias1 and, from the same normed x, [gelu](... @ w2.T + bias2).
 
     x [M, K] with unit column stride; weights [N, K] contiguous -> out1 [M, N1] (x's dtype unless a
-    contiguous out1 of any dtype is given) and out2 [M, N2] or None. tiles: _tiles()'s tuple, to tune."""
+    contiguous out1 of any dtype is given) and out2 [M, N2] or None. tiles: _tiles()'s tuple, to tune.
+    For an LM head (no w2), banned [M, j] int32 (-1: none) and best [M] int64 filled with int64's minimum
+    ask for the bans applied to out1 and each row's greedy choice packed into best (greedy_tokens)."""
     m, k = x.shape
     n1, n2 = w1.shape[0], (w2.shape[0] if w2 is not None else 0)
     assert x.stride(1) == 1 and w1.is_contiguous() and (w2 is None or w2.is_contiguous())
+    greedy = best is not None
+    assert not greedy or (not n2 and banned.shape[0] == m and banned.is_contiguous() and best.shape == (m,))
     block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n1, n2 or n1), (k,), x.dtype,
                                                                         _small_shared_memory(x.device))
     if out1 is None:
@@ -212,12 +286,23 @@ def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu2: bo
     assert out1.shape == (m, n1) and out1.is_contiguous()
     out2 = torch.empty(m, n2, device=x.device, dtype=x.dtype) if n2 else out1
     grid = ((n1 + n2) // block_n, triton.cdiv(m, block_m))
-    stats_k = min(k, max(16, 4096 // block_m))  # row chunk for the norm's statistics: bounded registers
     _norm_linear_kernel[grid](x, x.stride(0), ln_weight, ln_bias, w1, bias1, out1, w2 if n2 else w1,
-                              bias2 if n2 else bias1, out2, m, LN_EPS, K=k, N1=n1, N2=n2, GELU2=gelu2,
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=stats_k, USE_DOT=use_dot,
-                              PRECISION=_precision(x), num_warps=warps, num_stages=stages, **_pdl(x.device, m))
+                              bias2 if n2 else bias1, out2, banned if greedy else x, best if greedy else x, m, LN_EPS,
+                              K=k, N1=n1, N2=n2, GELU2=gelu2, GREEDY=greedy, BANNED=banned.shape[1] if greedy else 0,
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=_stats_chunk(k, block_m),
+                              USE_DOT=use_dot, PRECISION=_precision(x), num_warps=warps, num_stages=stages,
+                              **_pdl(x.device, m))
     return out1, (out2 if n2 else None)
+
+
+def greedy_tokens(best: torch.Tensor) -> torch.Tensor:
+    """Token ids out of norm_linear's packed best (logit, token) keys."""
+    return 0xFFFFFFFF - (best & 0xFFFFFFFF)
+
+
+def _stats_chunk(k: int, block_m: int) -> int:
+    """Row chunk for the norm's statistics: bounded registers."""
+    return min(k, max(16, 4096 // block_m))
 
 
 def linear2_residual(a, w1, c, w2, residual, bias, tiles=None):
@@ -238,10 +323,11 @@ def linear2_residual(a, w1, c, w2, residual, bias, tiles=None):
 @triton.jit
 def _rotated(head_ptr, c, s, HALF: tl.constexpr):
     """A head's first 2*HALF dims rotated, float32: the input halves are the real and imaginary parts,
-    the output interleaves them (the reference's layout)."""
+    the output interleaves them (the reference's layout). Loads skip L1 (.cg): in the fused kernel
+    another program wrote the head moments ago."""
     i = tl.arange(0, HALF)
-    re = tl.load(head_ptr + i).to(tl.float32)
-    im = tl.load(head_ptr + HALF + i).to(tl.float32)
+    re = tl.load(head_ptr + i, cache_modifier=".cg").to(tl.float32)
+    im = tl.load(head_ptr + HALF + i, cache_modifier=".cg").to(tl.float32)
     return tl.reshape(tl.join(re * c - im * s, re * s + im * c), [2 * HALF])
 
 
@@ -270,44 +356,38 @@ def _softmax_block(q_rot, q_pass, kr, kp, v, valid, m_i, l_i, acc):
 
 
 @triton.jit
-def _rotary_paged_attention_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr,
-                                   slots_ptr, out_ptr, part_ml_ptr, part_acc_ptr, bt_stride, scale, H: tl.constexpr,
-                                   HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
-    """One program per (sequence, head, split of the context). The head's first ROT = 2*HALF dims are
-    rotated (input halves are real and imaginary parts, the rotated output interleaves them, as in the
-    reference); the rest pass. Online softmax over this split's share of the cached pages; split 0 also
-    takes the new token's own k/v, and its first head of each kv group stores them (rotated) into the
-    cache. With one split the result is final; with several, each writes its partial (max, sum, acc).
-    The first block of cached keys and values is loaded before waiting for the previous kernel: no
-    kernel of this step writes them, so under PDL their latency hides behind that kernel's tail."""
+def _context_share(seq_lens_ptr, b, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the cached positions (the new token's excluded) that this split of sequence b attends to."""
+    cached = tl.load(seq_lens_ptr + b) - 1  # step inputs come from the host copy before the graph
+    chunk = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    return lo, tl.minimum(cached, lo + chunk)
+
+
+@triton.jit
+def _attend_new_token(row, cos_ptr, sin_ptr, k_ptr, v_ptr, block_table_ptr, bt_stride, slots_ptr, b, h, split, lo, hi,
+                      kr, kp, v, valid, scale, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                      HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax of head h of sequence b (its q, k, v in row) over cached positions [lo, hi), whose
+    first block (kr, kp, v, valid) is already loaded -> (max, sum, acc). The head's first ROT = 2*HALF
+    dims are rotated (input halves are real and imaginary parts, the rotated output interleaves them, as
+    in the reference); the rest pass. Split 0 also takes the new token's own k/v, and its first head of
+    each kv group stores them (rotated) into the cache."""
     ROT: tl.constexpr = 2 * HALF
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
     kvh = h // (H // HKV)
     offs_rot = tl.arange(0, ROT)
     offs_pass = ROT + tl.arange(0, D - ROT)
     offs_d = tl.arange(0, D)
-    cached = tl.load(seq_lens_ptr + b) - 1  # step inputs come from the host copy before the graph
-    chunk = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(cached, lo + chunk)
-    kr, kp, v, valid = _kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, b, kvh, lo, hi, offs_rot, offs_pass,
-                                 offs_d, HKV, D, PAGE, BLOCK_N)
-    _after_previous_kernel(PDL)
-
-    row = qkv_ptr + b * qkv_stride
     i = tl.arange(0, HALF)
     c = tl.load(cos_ptr + b * HALF + i)
     s = tl.load(sin_ptr + b * HALF + i)
     q_rot = _rotated(row + h * D, c, s, HALF) * scale
-    q_pass = tl.load(row + h * D + offs_pass).to(tl.float32) * scale
+    q_pass = tl.load(row + h * D + offs_pass, cache_modifier=".cg").to(tl.float32) * scale
     if split == 0:
         k_row = row + (H + kvh) * D
         k_rot = _rotated(k_row, c, s, HALF).to(k_ptr.dtype.element_ty)
-        k_pass = tl.load(k_row + offs_pass)
-        v_new = tl.load(row + (H + HKV + kvh) * D + offs_d)
+        k_pass = tl.load(k_row + offs_pass, cache_modifier=".cg")
+        v_new = tl.load(row + (H + HKV + kvh) * D + offs_d, cache_modifier=".cg")
         if h % (H // HKV) == 0:
             base = (tl.load(slots_ptr + b).to(tl.int64) * HKV + kvh) * D
             tl.store(k_ptr + base + offs_rot, k_rot)
@@ -327,27 +407,128 @@ def _rotary_paged_attention_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, k_ptr,
         kr, kp, v, valid = _kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, b, kvh, start, hi, offs_rot,
                                      offs_pass, offs_d, HKV, D, PAGE, BLOCK_N)
         m_i, l_i, acc = _softmax_block(q_rot, q_pass, kr, kp, v, valid, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _first_kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, seq_lens_ptr, b, h, split, H: tl.constexpr,
+                    HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """This split's context share and its first block of cached keys and values. No kernel of the step
+    writes them, so this may run before waiting for qkv: their latency hides behind that wait."""
+    lo, hi = _context_share(seq_lens_ptr, b, split, SPLITS, BLOCK_N)
+    offs_rot = tl.arange(0, 2 * HALF)
+    kr, kp, v, valid = _kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, b, h // (H // HKV), lo, hi, offs_rot,
+                                 2 * HALF + tl.arange(0, D - 2 * HALF), tl.arange(0, D), HKV, D, PAGE, BLOCK_N)
+    return lo, hi, kr, kp, v, valid
+
+
+@triton.jit
+def _store_attention(out_ptr, part_ml_ptr, part_acc_ptr, bh, split, m_i, l_i, acc, D: tl.constexpr,
+                     SPLITS: tl.constexpr):
+    """With one split the result is final; with several, each stores its partial (max, sum, acc)."""
     if SPLITS == 1:
-        tl.store(out_ptr + (b * H + h) * D + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + bh * D + tl.arange(0, D), (acc / l_i).to(out_ptr.dtype.element_ty))
     else:
-        part = (b * H + h) * SPLITS + split
+        part = bh * SPLITS + split
         tl.store(part_ml_ptr + 2 * part, m_i)
         tl.store(part_ml_ptr + 2 * part + 1, l_i)
-        tl.store(part_acc_ptr + part * D + offs_d, acc)
+        tl.store(part_acc_ptr + part * D + tl.arange(0, D), acc)
+
+
+@triton.jit
+def _combine_splits(part_ml_ptr, part_acc_ptr, out_ptr, bh, D: tl.constexpr, SPLITS: tl.constexpr):
+    """Merge the splits' partial softmaxes of one (sequence, head): rescale each to the common max."""
+    part = bh * SPLITS + tl.arange(0, SPLITS)
+    m = tl.load(part_ml_ptr + 2 * part, cache_modifier=".cg")
+    l = tl.load(part_ml_ptr + 2 * part + 1, cache_modifier=".cg")
+    weight = tl.exp(m - tl.max(m, 0))  # split 0 holds the new token, so the max is finite
+    acc = tl.load(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], cache_modifier=".cg")
+    out = tl.sum(weight[:, None] * acc, 0) / tl.sum(weight * l, 0)
+    tl.store(out_ptr + bh * D + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _rotary_paged_attention_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr,
+                                   slots_ptr, out_ptr, part_ml_ptr, part_acc_ptr, bt_stride, scale, H: tl.constexpr,
+                                   HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """One program per (sequence, head, split of the context). The first block of cached keys and
+    values is loaded before waiting for the previous kernel, which under PDL is still draining."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    lo, hi, kr, kp, v, valid = _first_kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, seq_lens_ptr, b, h, split,
+                                               H, HKV, D, HALF, PAGE, BLOCK_N, SPLITS)
+    _after_previous_kernel(PDL)
+    m_i, l_i, acc = _attend_new_token(qkv_ptr + b * qkv_stride, cos_ptr, sin_ptr, k_ptr, v_ptr, block_table_ptr,
+                                      bt_stride, slots_ptr, b, h, split, lo, hi, kr, kp, v, valid, scale, H, HKV, D,
+                                      HALF, PAGE, BLOCK_N)
+    _store_attention(out_ptr, part_ml_ptr, part_acc_ptr, b * H + h, split, m_i, l_i, acc, D, SPLITS)
 
 
 @triton.jit
 def _combine_splits_kernel(part_ml_ptr, part_acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
                            PDL: tl.constexpr):
-    """Merge the splits' partial softmaxes of one (sequence, head): rescale each to the common max."""
     _after_previous_kernel(PDL)
-    part = tl.program_id(0) * SPLITS + tl.arange(0, SPLITS)
-    m = tl.load(part_ml_ptr + 2 * part)
-    l = tl.load(part_ml_ptr + 2 * part + 1)
-    weight = tl.exp(m - tl.max(m, 0))  # split 0 holds the new token, so the max is finite
-    acc = tl.load(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :])
-    out = tl.sum(weight[:, None] * acc, 0) / tl.sum(weight * l, 0)
-    tl.store(out_ptr + tl.program_id(0) * D + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
+    _combine_splits(part_ml_ptr, part_acc_ptr, out_ptr, tl.program_id(0), D, SPLITS)
+
+
+@triton.jit
+def _norm_linear_attention_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, qkv_ptr, w2_ptr, bias2_ptr,
+                                  out2_ptr, M, eps, cos_ptr, sin_ptr, k_ptr, v_ptr, block_table_ptr, bt_stride,
+                                  seq_lens_ptr, slots_ptr, attn_ptr, part_ml_ptr, part_acc_ptr, sync_ptr, scale,
+                                  K: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, H: tl.constexpr,
+                                  D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, KV_BLOCK: tl.constexpr,
+                                  SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, STATS_K: tl.constexpr, PDL: tl.constexpr):
+    """The GEMV form of _norm_linear_kernel (qkv, then fc1 with GELU) with the attention in the same grid.
+    Programs, in launch order: [qkv columns][attention: sequence, head, split][fc1 columns]. A qkv
+    program counts itself in at sync[head] once its columns are stored; an attention program waits
+    until all of its head's have, then runs while fc1's weight still streams: the attention leaves the
+    critical path. The programs waited on have lower ids, so they were scheduled first and wait on
+    nothing: no deadlock. With several splits, the last split of a (sequence, head) to finish (counted
+    at sync[H + sequence * H + head]) merges them. sync must be zeros; it is left dirty."""
+    pid = tl.program_id(0)
+    QKV_PROGRAMS: tl.constexpr = N1 // BLOCK_N
+    ARRIVALS: tl.constexpr = 3 * D // BLOCK_N  # the qkv programs of one head: its q, k and v columns
+    attention = pid - QKV_PROGRAMS
+    if (attention >= 0) & (attention < M * H * SPLITS):
+        b = attention // (H * SPLITS)
+        h = (attention // SPLITS) % H
+        split = attention % SPLITS
+        lo, hi, kr, kp, v, valid = _first_kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, seq_lens_ptr, b, h,
+                                                   split, H, H, D, HALF, PAGE, KV_BLOCK, SPLITS)
+        _after_previous_kernel(PDL)
+        arrived = tl.atomic_add(sync_ptr + h, 0, sem="acquire")
+        while arrived < ARRIVALS:
+            arrived = tl.atomic_add(sync_ptr + h, 0, sem="acquire")
+        m_i, l_i, acc = _attend_new_token(qkv_ptr + b * N1, cos_ptr, sin_ptr, k_ptr, v_ptr, block_table_ptr,
+                                          bt_stride, slots_ptr, b, h, split, lo, hi, kr, kp, v, valid, scale, H, H,
+                                          D, HALF, PAGE, KV_BLOCK)
+        _store_attention(attn_ptr, part_ml_ptr, part_acc_ptr, b * H + h, split, m_i, l_i, acc, D, SPLITS)
+        if SPLITS > 1:
+            tl.debug_barrier()  # every thread's partial is stored before the count says so
+            if tl.atomic_add(sync_ptr + H + b * H + h, 1, sem="acq_rel") == SPLITS - 1:
+                _combine_splits(part_ml_ptr, part_acc_ptr, attn_ptr, b * H + h, D, SPLITS)
+    else:
+        fc1 = pid - M * H * SPLITS  # program ids past the attention's, shifted to follow the qkv programs
+        first, offs_n, w_first = _columns_and_first_tile(tl.where(pid < QKV_PROGRAMS, pid, fc1), w1_ptr, w2_ptr, N1,
+                                                         K, BLOCK_N, BLOCK_K)
+        _after_previous_kernel(PDL)
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        mean, rstd = _row_stats(x_ptr, x_stride, offs_m, m_mask, K, eps, BLOCK_M, STATS_K)
+        if first:  # (names differ from the attention branch's: Triton types a name once per function)
+            cols = _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w1_ptr, w_first, bias1_ptr, offs_n,
+                                     offs_m, m_mask, K, False, BLOCK_M, BLOCK_N, BLOCK_K, False, "ieee")
+            _store_columns(qkv_ptr, cols, offs_m, m_mask, offs_n, N1)
+            tl.debug_barrier()  # every thread's columns are stored before the count says so
+            tl.atomic_add(sync_ptr + (pid * BLOCK_N // D) % H, 1, sem="release")
+        else:
+            cols = _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w2_ptr, w_first, bias2_ptr, offs_n,
+                                     offs_m, m_mask, K, True, BLOCK_M, BLOCK_N, BLOCK_K, False, "ieee")
+            _store_columns(out2_ptr, cols, offs_m, m_mask, offs_n, N2)
 
 
 def context_splits(batch: int, n_heads: int, sms: int = 132) -> int:
@@ -372,9 +553,7 @@ def rotary_paged_attention(qkv, cos, sin, k_cache, v_cache, block_tables, seq_le
     assert qkv.stride(1) == 1 and qkv.shape[1] == (n_heads + 2 * hkv) * dim and cos.is_contiguous()
     assert sin.is_contiguous() and dim - 2 * half >= 1 and (dim - 2 * half) & (dim - 2 * half - 1) == 0
     splits = splits or context_splits(bsz, n_heads)
-    out = torch.empty(bsz, n_heads * dim, device=qkv.device, dtype=qkv.dtype)
-    part_ml = torch.empty(bsz * n_heads * splits * 2 if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
-    part_acc = torch.empty(bsz * n_heads * splits * dim if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
+    out, part_ml, part_acc = _attention_buffers(qkv, n_heads, dim, splits)
     _rotary_paged_attention_kernel[(bsz, n_heads, splits)](
         qkv, qkv.stride(0), cos, sin, k_cache, v_cache, block_tables, seq_lens, slots, out, part_ml, part_acc,
         block_tables.stride(0), dim ** -0.5, H=n_heads, HKV=hkv, D=dim, HALF=half, PAGE=page_size, BLOCK_N=64,
@@ -382,4 +561,62 @@ def rotary_paged_attention(qkv, cos, sin, k_cache, v_cache, block_tables, seq_le
     if splits > 1:
         _combine_splits_kernel[(bsz * n_heads,)](part_ml, part_acc, out, D=dim, SPLITS=splits, num_warps=1,
                                                  **_pdl(qkv.device, bsz))
+    return out
+
+
+def _attention_buffers(qkv, n_heads: int, dim: int, splits: int):
+    """The attention output and, with several splits, room for each split's partial softmax."""
+    bsz, parts = qkv.shape[0], qkv.shape[0] * n_heads * splits if splits > 1 else 0
+    out = torch.empty(bsz, n_heads * dim, device=qkv.device, dtype=qkv.dtype)
+    part_ml = torch.empty(max(1, 2 * parts), device=qkv.device, dtype=torch.float32)
+    part_acc = torch.empty(max(1, parts * dim), device=qkv.device, dtype=torch.float32)
+    return out, part_ml, part_acc
+
+
+def norm_linear_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, fc1_weight, fc1_bias, cos, sin, k_cache,
+                          v_cache, block_tables, seq_lens, slots, page_size: int, sync, splits: int = 1, tiles=None):
+    """norm_linear(x, ..., gelu2=True) for qkv and fc1, then rotary_paged_attention(qkv, ...), as one kernel
+    in which the attention runs while fc1's weight streams. The GEMV form only (up to GEMV_MAX_ROWS rows)
+    and as many kv heads as heads. sync: int32 zeros, at least heads * (1 + rows) of them, left dirty.
+    -> (attention output [M, H * D], gelu(fc1) [M, ff])."""
+    m, k = x.shape
+    n1, n2 = qkv_weight.shape[0], fc1_weight.shape[0]
+    n_heads, dim, half = k_cache.shape[1], k_cache.shape[2], cos.shape[1]
+    block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n1, n2), (k,), x.dtype)
+    assert m <= GEMV_MAX_ROWS and not use_dot and n1 == 3 * n_heads * dim and dim % block_n == 0
+    assert x.stride(1) == 1 and qkv_weight.is_contiguous() and fc1_weight.is_contiguous() and cos.is_contiguous()
+    assert sin.is_contiguous() and sync.dtype == torch.int32 and sync.numel() >= n_heads * (1 + m)
+    qkv = torch.empty(m, n1, device=x.device, dtype=x.dtype)
+    out2 = torch.empty(m, n2, device=x.device, dtype=x.dtype)
+    out, part_ml, part_acc = _attention_buffers(qkv, n_heads, dim, splits)
+    grid = (n1 // block_n + m * n_heads * splits + n2 // block_n,)
+    _norm_linear_attention_kernel[grid](
+        x, x.stride(0), ln_weight, ln_bias, qkv_weight, qkv_bias, qkv, fc1_weight, fc1_bias, out2, m, LN_EPS, cos, sin,
+        k_cache, v_cache, block_tables, block_tables.stride(0), seq_lens, slots, out, part_ml, part_acc, sync,
+        dim ** -0.5, K=k, N1=n1, N2=n2, H=n_heads, D=dim, HALF=half, PAGE=page_size, KV_BLOCK=64, SPLITS=splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=_stats_chunk(k, block_m), num_warps=warps,
+        num_stages=stages, **_pdl(x.device, m))
+    return out, out2
+
+
+@triton.jit
+def _embed_rows_kernel(tokens_ptr, table_ptr, given_ptr, out_ptr, D: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    token = tl.load(tokens_ptr + b)
+    if token >= 0:
+        row = tl.load(table_ptr + token.to(tl.int64) * D + offs)
+    else:
+        row = tl.load(given_ptr + b * D + offs)
+    tl.store(out_ptr + b * D + offs, row)
+
+
+def embed_rows(tokens, table, given):
+    """Input rows of a decode step: row b is the embedding of tokens[b], or given[b] where tokens[b] < 0.
+    tokens [B] int32, table [V, D] and given [B, D] contiguous -> [B, D]."""
+    (b,), d = tokens.shape, table.shape[1]
+    block = min(d, 1024)
+    assert table.is_contiguous() and given.is_contiguous() and given.shape == (b, d) and d % block == 0
+    out = torch.empty(b, d, device=table.device, dtype=table.dtype)
+    _embed_rows_kernel[(b, d // block)](tokens, table, given, out, D=d, BLOCK=block, num_warps=4)
     return out

@@ -92,16 +92,17 @@ class Scheduler:
                     self.fault_injector(batch)
                 outputs = []
                 if new:  # prefill: whole prompts, torch attention
-                    outputs.append((new, *self._forward_flat(new, prefill=True)))
+                    outputs.append((new, *self._forward_flat(new, prefill=True), None))
                     for seq in new:
                         seq.prefill_ms = (time.perf_counter() - t0) * 1000
                 t1 = time.perf_counter()
                 if decoding:  # one input per running sequence
                     outputs.append((decoding, *self._decode(decoding)))
                 t2 = time.perf_counter()
-                chosen = [choose_tokens(logits, [seq.generation.choice() for seq in seqs]) for seqs, logits, _ in outputs]
+                chosen = [choose_tokens(logits, [seq.generation.choice() for seq in seqs], greedy)
+                          for seqs, logits, _, greedy in outputs]
                 t3 = time.perf_counter()
-                for (seqs, _, hidden), tokens in zip(outputs, chosen):
+                for (seqs, _, hidden, _), tokens in zip(outputs, chosen):
                     for seq, token, h in zip(seqs, tokens, hidden):
                         self._advance(seq, token, h)
                 t4 = time.perf_counter()
@@ -165,12 +166,16 @@ class Scheduler:
         return x
 
     def _decode(self, seqs: list[Sequence]):
+        """-> (logits, hidden, greedy tokens when the step chose them already, or None)."""
         if self.decoder is None:
-            return self._forward_flat(seqs, prefill=False)
-        logits, hidden = self.decoder.run(self._inputs(seqs), [s.id for s in seqs], [s.length for s in seqs])
+            return *self._forward_flat(seqs, prefill=False), None
+        ids = [s.id for s in seqs]
+        banned = [s.generation.choice().banned for s in seqs]
+        logits, hidden, greedy = self.decoder.run([s.next_input for s in seqs], ids, [s.length for s in seqs], banned)
         for seq in seqs:
             seq.length += 1
-        return logits, hidden
+        self.decoder.prepare(ids, [s.length for s in seqs])  # the likely next step, while the GPU runs this one
+        return logits, hidden, greedy
 
     def _forward_flat(self, seqs: list[Sequence], prefill: bool):
         """One forward over a flat token list (whole prompts, or one input each) with torch attention."""

@@ -32,14 +32,19 @@ def _uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tens
     return ((x >> 11).double() + 0.5) / float(1 << 52)
 
 
-def choose_tokens(logits: torch.Tensor, choices: list[Choice]) -> list[int]:
-    """logits [B, V] float32 (modified in place for bans) -> one token id per row (one host sync)."""
-    banned = [(row, token) for row, c in enumerate(choices) for token in c.banned]
-    if banned:
-        rows, tokens = torch.tensor(banned, device=logits.device).T
-        logits[rows, tokens] = float("-inf")
-    tokens = logits.argmax(dim=-1)
+def choose_tokens(logits: torch.Tensor, choices: list[Choice], greedy: torch.Tensor | None = None) -> list[int]:
+    """logits [B, V] float32 (modified in place for bans) -> one token id per row (one host sync).
+    greedy: each row's argmax with its bans applied, when the GPU step computed it with the logits (whose
+    banned entries are -inf then); it saves an argmax over the vocabulary."""
     sampled = [i for i, c in enumerate(choices) if c.temperature > 0]
+    if greedy is not None:
+        tokens = greedy.clone() if sampled else greedy
+    else:
+        banned = [(row, token) for row, c in enumerate(choices) for token in c.banned]
+        if banned:
+            rows, tokens = torch.tensor(banned, device=logits.device).T
+            logits[rows, tokens] = float("-inf")
+        tokens = logits.argmax(dim=-1)
     if sampled:
         dev = logits.device
         idx = torch.tensor(sampled, device=dev)

@@ -1,0 +1,108 @@
+"""Compile every Triton kernel of the GPU paths for Hopper (sm90, with PDL) and Ampere (sm80), on a
+machine without a GPU: the launches of the real launch wrappers are intercepted, and each is compiled
+to a cubin with Triton's own compiler. Catches what the interpreter does not see (typing, layouts,
+the PDL intrinsics, shared memory beyond an H100's or A100's). Run by tests/test_gpu_kernels.py in a subprocess, without TRITON_INTERPRET.
+
+    python tests/compile_kernels.py   -> prints one line per compiled kernel variant; exit 1 on failure
+"""
+
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from kestrel_backend.model.config import TextConfig, VisionConfig
+from kestrel_backend.model.layer_norm_cuda import shifted_layer_norm
+from kestrel_backend.model.rope_cuda import rope_qk_inplace
+from kestrel_backend.runtime import decode_kernels as dk
+
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
+          torch.float64: "fp64"}
+SHARED_MEMORY = {90: 232448, 80: 166912}  # per block: H100, A100
+launches = []
+
+
+def _record(self, grid):
+    return lambda *args, **kwargs: launches.append((self, args, kwargs))
+
+
+def _type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    return "fp32"
+
+
+def compile_launch(fn: JITFunction, args, kwargs, capability: int) -> None:
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    kwargs.pop("launch_pdl", None)
+    values = dict(zip(fn.arg_names, args)) | kwargs
+    constexprs = {p.name: values[p.name] for p in fn.params if p.is_constexpr}
+    signature = {name: "constexpr" if name in constexprs else _type(values[name]) for name in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", capability, 32),
+                            options=options)
+    if kernel.metadata.shared > SHARED_MEMORY[capability]:
+        raise RuntimeError(f"needs {kernel.metadata.shared} bytes of shared memory, the GPU has "
+                           f"{SHARED_MEMORY[capability]}")
+
+
+def launch_everything() -> None:
+    cfg = TextConfig()
+    h, d, page = cfg.n_heads, cfg.head_dim, 16
+    for dtype in (torch.bfloat16, torch.float32):
+        f = dict(dtype=dtype)
+        for m in (1, 2, 4, 32, 64):
+            x = torch.zeros(m, cfg.dim, **f)
+            ln = torch.zeros(cfg.dim, **f)
+            wq, bq, wf, bf = (torch.zeros(3 * cfg.dim, cfg.dim, **f), torch.zeros(3 * cfg.dim, **f),
+                              torch.zeros(cfg.ff_dim, cfg.dim, **f), torch.zeros(cfg.ff_dim, **f))
+            dk.norm_linear(x, ln, ln, wq, bq, wf, bf, gelu2=True)
+            dk.norm_linear(x, ln, ln, wf, bf, out1=torch.zeros(m, cfg.ff_dim),
+                           banned=torch.zeros(m, 2, dtype=torch.int32), best=torch.zeros(m, dtype=torch.int64))
+            dk.linear2_residual(x, wq[:cfg.dim], torch.zeros(m, cfg.ff_dim, **f), wf.T.contiguous(), x, ln)
+            cache = torch.zeros(64 * page, h, d, **f)
+            tables, lens = torch.zeros(m, 4, dtype=torch.int32), torch.ones(m, dtype=torch.int32)
+            cos = torch.zeros(m, cfg.rope_dim // 2)
+            for splits in (1, 8):
+                dk.rotary_paged_attention(torch.zeros(m, 3 * cfg.dim, **f), cos, cos, cache, cache, tables, lens,
+                                          lens, h, page, splits)
+                if m == 1:
+                    dk.norm_linear_attention(x, ln, ln, wq, bq, wf, bf, cos, cos, cache, cache, tables, lens, lens,
+                                             page, torch.zeros(2 * h, dtype=torch.int32), splits)
+            dk.embed_rows(torch.zeros(m, dtype=torch.int32), torch.zeros(16, cfg.dim, **f), x)
+            rope_qk_inplace(torch.zeros(m, 3 * cfg.dim, **f), cos, cos, 2 * h, d)  # (prefill)
+        vision = torch.zeros(729, VisionConfig().enc_dim, **f)
+        shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
+
+
+def main() -> int:
+    JITFunction.__getitem__ = _record
+    failed = 0
+    for pdl in (True, False):
+        dk._has_pdl = lambda device: pdl  # (the wrappers ask the device; there is none here)
+        launches.clear()
+        launch_everything()
+        seen = set()
+        for fn, args, kwargs in launches:
+            variant = (fn.__name__, tuple(_type(a) for a in args), tuple(sorted(kwargs.items())))
+            if variant in seen:
+                continue
+            seen.add(variant)
+            for capability in (90, 80) if not kwargs.get("PDL") else (90,):
+                try:
+                    compile_launch(fn, args, dict(kwargs), capability)
+                    print(f"ok   sm{capability} {fn.__name__} {sorted(kwargs.items())}")
+                except Exception as e:  # report every failure, not just the first
+                    failed += 1
+                    print(f"FAIL sm{capability} {fn.__name__} {sorted(kwargs.items())}: {e}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
