@@ -1,9 +1,10 @@
 """A/B of decode-step variants for one or two sequences (GPU only): the attention split over the
 context or one program per sequence and head; with programmatic dependent launch or without; the
-attention as a kernel of its own or inside the norm + qkv/fc1 kernel (one kernel). The variants' CUDA
+attention as a kernel of its own or inside the norm + qkv/fc1 kernel (one kernel); or, with --tiles,
+the GEMV tiles of one sequence around the defaults (the sweep behind them). The variants' CUDA
 graphs are replayed in interleaved rounds, so clock drift hits them alike (separate runs differ by 5 to 10%).
 
-    python benchmarks/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20]
+    python benchmarks/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20] [--tiles]
 """
 
 import argparse
@@ -23,17 +24,46 @@ from kestrel_backend.runtime.cuda_decode import StepInputs, fused_decode_step  #
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 
 
+DEFAULT_TILES = dk._tiles
+TILE_VARIANTS = {"default": {}, "norm+qkv/fc1+attention 8 x 2048": {"front": (8, 2048, 4)},
+                 "norm+qkv/fc1+attention 4 x 2048": {"front": (4, 2048, 4)},
+                 "norm+qkv/fc1+attention 16 x 1024": {"front": (16, 1024, 4)},
+                 "norm+qkv/fc1+attention 8 x 1024, 8 warps": {"front": (8, 1024, 8)},
+                 "out-proj+fc2 2 columns, 4 warps": {"back": (2, 2048, 4)},
+                 "out-proj+fc2 4 columns, 4 warps": {"back": (4, 2048, 4)},
+                 "out-proj+fc2 8 columns, 8 warps": {"back": (8, 2048, 8)},
+                 "out-proj+fc2 4 x 1024, 8 warps": {"back": (4, 1024, 8)},
+                 "LM head 8 columns, 8 warps": {"lm": (8, 2048, 8)}}
+
+
+def _with_tiles(overrides: dict):
+    """decode_kernels._tiles with one sequence's tiles replaced: "front" the norm + qkv/fc1 (+ attention)
+    kernel, "back" out-projection + fc2, "lm" the LM head; each (columns, K chunk, warps) per program."""
+    def tiles(m, n_sizes, k_sizes, dtype, small_shared_memory=False, **gemv):
+        t = DEFAULT_TILES(m, n_sizes, k_sizes, dtype, small_shared_memory, **gemv)
+        kind = "lm" if n_sizes[0] > 10000 else ("front" if len(n_sizes) == 2 else "back")
+        if m != 1 or kind not in overrides:
+            return t
+        block_n, block_k, warps = overrides[kind]
+        return 1, block_n, block_k, warps, t[4], t[5]
+    return tiles
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tiles", action="store_true", help="compare GEMV tiles of one sequence instead")
     p.add_argument("--contexts", default="64,800")
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args()
     config = MoondreamConfig()
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
-    variants = {"1 split": (1, True, False), "split": (None, True, False), "1 split, no PDL": (1, False, False),
-                "split, no PDL": (None, False, False), "one kernel, 1 split": (1, True, True)}
-    variants.update({f"one kernel, {s} splits": (s, True, True) for s in (4, 8, 16)})
+    variants = {"1 split": (1, True, False, {}), "split": (None, True, False, {}),
+                "1 split, no PDL": (1, False, False, {}), "split, no PDL": (None, False, False, {}),
+                "one kernel, 1 split": (1, True, True, {})}
+    variants.update({f"one kernel, {s} splits": (s, True, True, {}) for s in (4, 8, 16)})
+    if args.tiles:  # GEMV tiles of one sequence: (columns, K chunk, warps) per program
+        variants = {name: ("as the engine", True, True, tiles) for name, tiles in TILE_VARIANTS.items()}
     for context in (int(c) for c in args.contexts.split(",")):
         cache = PagedKVCache(config.text, args.batch * (context // 16 + 1), 16, "cuda", torch.bfloat16)
         for i in range(args.batch):
@@ -45,9 +75,12 @@ def main() -> None:
         logits = torch.empty(args.batch, config.text.vocab_size, device="cuda")
         graphs = {}
         with torch.inference_mode():
-            for name, (splits, pdl, one_kernel) in variants.items():
+            for name, (splits, pdl, one_kernel, tiles) in variants.items():
+                if splits == "as the engine":
+                    splits = 1 if context < cuda_decode.LONG_CONTEXT else None
                 dk.PDL_ENABLED = pdl  # read at launch, so while capturing
                 cuda_decode.ATTENTION_IN_NORM_LINEAR = one_kernel
+                dk._tiles = _with_tiles(tiles)
                 step = lambda: fused_decode_step(model, x, cache, inputs.rows(args.batch), logits, splits)  # noqa: E731
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
@@ -59,6 +92,7 @@ def main() -> None:
                 with torch.cuda.graph(graphs[name]):
                     step()
             dk.PDL_ENABLED = cuda_decode.ATTENTION_IN_NORM_LINEAR = True
+            dk._tiles = DEFAULT_TILES
             times = {name: [] for name in variants}
             for _ in range(args.rounds):
                 for name, graph in graphs.items():

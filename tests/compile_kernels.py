@@ -1,7 +1,8 @@
 """Compile every Triton kernel of the GPU paths for Hopper (sm90, with PDL) and Ampere (sm80), on a
 machine without a GPU: the launches of the real launch wrappers are intercepted, and each is compiled
 to a cubin with Triton's own compiler. Catches what the interpreter does not see (typing, layouts,
-the PDL intrinsics, shared memory beyond an H100's or A100's). Run by tests/test_gpu_kernels.py in a subprocess, without TRITON_INTERPRET.
+the PDL intrinsics, shared memory beyond an H100's or A100's). Run by tests/test_gpu_kernels.py in a
+subprocess, without TRITON_INTERPRET. The GPU machine's Triton may differ from this one's.
 
     python tests/compile_kernels.py   -> prints one line per compiled kernel variant; exit 1 on failure
 """

@@ -183,7 +183,7 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs, spl
     banned[0, 1] = int(logits_ref[0].argmax())  # the GEMV form's LM head applies it, and chooses greedily
     inputs = StepTensors(tables, (positions + 1).int(), slots.int(), model.rope[positions, :, 0].contiguous(),
                          model.rope[positions, :, 1].contiguous(), banned)
-    logits, greedy = torch.empty(n_seqs, 512), torch.full((n_seqs,), -7)
+    logits, greedy = torch.empty(n_seqs, 512), torch.full((n_seqs,), -7, dtype=torch.int32)
     hidden = fused_decode_step(model, x, cache, inputs, logits, splits, greedy)
     if n_seqs <= dk.GEMV_MAX_ROWS:
         assert logits[0, banned[0, 1]] == float("-inf")

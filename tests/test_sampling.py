@@ -11,7 +11,7 @@ def test_greedy_and_bans():
 
 def test_greedy_chosen_by_the_step_is_taken_and_sampled_rows_still_sample():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 2.0, 1.0]])
-    greedy = torch.tensor([2, 1])  # what a GPU step with bans would have chosen
+    greedy = torch.tensor([2, 1], dtype=torch.int32)  # what a GPU step with bans would have chosen
     assert choose_tokens(logits.clone(), [Choice(), Choice()], greedy) == [2, 1]
     hot = Choice(temperature=1.0, seed=3)
     assert choose_tokens(logits.clone(), [Choice(), hot], greedy)[1] == choose_tokens(logits.clone(), [Choice(), hot])[1]

@@ -42,6 +42,9 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     one_kernel = x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR
     if one_kernel:  # zeros for the attention programs' counters: one row per layer
         sync = torch.zeros(len(w.blocks), cfg.n_heads * (1 + x.shape[0]), device=x.device, dtype=torch.int32)
+    best = None  # (filled here, not just before the LM head: that would hold up its start under PDL)
+    if gemv and greedy_out is not None:
+        best = torch.full(greedy_out.shape, torch.iinfo(torch.int64).min, device=x.device)
     for i, block in enumerate(w.blocks):
         if one_kernel:
             out, g = norm_linear_attention(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
@@ -59,11 +62,10 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
                                          inputs.seq_lens, inputs.slots, cfg.n_heads, page, splits=context_splits)
         x = linear2_residual(out, block.proj.weight, g, block.mlp.fc2.weight, x, block.out_bias)
     if gemv:
-        best = None if greedy_out is None else torch.full_like(greedy_out, torch.iinfo(torch.int64).min)
         norm_linear(x, w.post_ln.weight, w.post_ln.bias, w.lm_head.weight, w.lm_head.bias, out1=logits_out,
                     banned=inputs.banned, best=best)
         if best is not None:
-            greedy_out.copy_(greedy_tokens(best))
+            greedy_tokens(best, out=greedy_out)
     else:
         logits_out.copy_(model.logits(x))
     return x
@@ -177,7 +179,7 @@ class CudaGraphDecoder:
         self.given = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)  # inputs that are not tokens
         self.logits = torch.zeros(max_batch, model.config.text.vocab_size, device=dev, dtype=torch.float32)
         self.hidden = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)
-        self.greedy = torch.zeros(max_batch, device=dev, dtype=torch.int64)
+        self.greedy = torch.zeros(max_batch, device=dev, dtype=torch.int32)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 

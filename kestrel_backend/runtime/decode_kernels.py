@@ -246,14 +246,16 @@ def _small_shared_memory(device: torch.device) -> bool:
 
 
 def _tiles(m: int, n_sizes: tuple[int, ...], k_sizes: tuple[int, ...], dtype: torch.dtype,
-           small_shared_memory: bool = False):
+           small_shared_memory: bool = False, gemv_programs: int = 1024, gemv_warps: int = 4,
+           gemv_max_k: int = 2048):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot) for M rows, from the H100 tile sweep;
-    shallower tensor-core pipelines where shared memory is small."""
-    if m <= GEMV_MAX_ROWS:  # narrow N tiles: about a thousand programs or more, so every SM streams weight
-        block_n = next(b for b in (8, 4, 2, 1) if sum(n_sizes) // b >= 1024 and all(n % b == 0 for n in n_sizes)) \
-            if sum(n_sizes) >= 1024 else 1
-        block_k = next(b for b in (2048 // m, 256, 64, 16) if all(k % b == 0 for k in k_sizes))
-        return m, block_n, block_k, 4, 2, False
+    shallower tensor-core pipelines where shared memory is small. For the GEMV form: at least
+    gemv_programs programs (narrow N tiles, so every SM streams weight), K chunks up to gemv_max_k / M."""
+    if m <= GEMV_MAX_ROWS:
+        block_n = next((b for b in (8, 4, 2)
+                        if sum(n_sizes) // b >= gemv_programs and all(n % b == 0 for n in n_sizes)), 1)
+        block_k = next(b for b in (gemv_max_k // m, 256, 64, 16) if all(k % b == 0 for k in k_sizes))
+        return m, block_n, block_k, gemv_warps, 2, False
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 16 if m <= 64 else 32
     shallow = dtype == torch.float32 or small_shared_memory  # float32 (parity runs) must fit in shared memory
@@ -295,9 +297,10 @@ def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu2: bo
     return out1, (out2 if n2 else None)
 
 
-def greedy_tokens(best: torch.Tensor) -> torch.Tensor:
-    """Token ids out of norm_linear's packed best (logit, token) keys."""
-    return 0xFFFFFFFF - (best & 0xFFFFFFFF)
+def greedy_tokens(best: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 token ids out of norm_linear's packed best (logit, token) keys [M] int64, in one kernel: the
+    low 32-bit word of a key (little-endian: the first) is 2^32 - 1 - token, i.e. ~token as an int32."""
+    return torch.bitwise_not(best.view(torch.int32).view(-1, 2)[:, 0], out=out)
 
 
 def _stats_chunk(k: int, block_m: int) -> int:
@@ -309,8 +312,9 @@ def linear2_residual(a, w1, c, w2, residual, bias, tiles=None):
     """residual + a @ w1.T + c @ w2.T + bias in one pass (rows of a, c, residual may be strided)."""
     m, n = residual.shape
     assert a.stride(1) == c.stride(1) == residual.stride(1) == 1 and w1.is_contiguous() and w2.is_contiguous()
+    one_row = dict(gemv_programs=512, gemv_warps=8) if m == 1 else {}  # (the whole-step sweep in PERFORMANCE.md)
     block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n,), (a.shape[1], c.shape[1]), a.dtype,
-                                                                        _small_shared_memory(a.device))
+                                                                        _small_shared_memory(a.device), **one_row)
     out = torch.empty(m, n, device=residual.device, dtype=residual.dtype)
     grid = (n // block_n, triton.cdiv(m, block_m))
     _linear2_residual_kernel[grid](a, a.stride(0), w1, c, c.stride(0), w2, residual, residual.stride(0), bias, out, m,
@@ -582,7 +586,7 @@ def norm_linear_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, fc1_weigh
     m, k = x.shape
     n1, n2 = qkv_weight.shape[0], fc1_weight.shape[0]
     n_heads, dim, half = k_cache.shape[1], k_cache.shape[2], cos.shape[1]
-    block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n1, n2), (k,), x.dtype)
+    block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n1, n2), (k,), x.dtype, gemv_max_k=1024)
     assert m <= GEMV_MAX_ROWS and not use_dot and n1 == 3 * n_heads * dim and dim % block_n == 0
     assert x.stride(1) == 1 and qkv_weight.is_contiguous() and fc1_weight.is_contiguous() and cos.is_contiguous()
     assert sin.is_contiguous() and sync.dtype == torch.int32 and sync.numel() >= n_heads * (1 + m)

@@ -38,7 +38,7 @@ def choose_tokens(logits: torch.Tensor, choices: list[Choice], greedy: torch.Ten
     banned entries are -inf then); it saves an argmax over the vocabulary."""
     sampled = [i for i, c in enumerate(choices) if c.temperature > 0]
     if greedy is not None:
-        tokens = greedy.clone() if sampled else greedy
+        tokens = greedy.long() if sampled else greedy  # (a copy: the step's buffer stays as it is)
     else:
         banned = [(row, token) for row, c in enumerate(choices) for token in c.banned]
         if banned:
