@@ -126,7 +126,8 @@ class StepInputs:
 
     def prepare(self, seq_ids: list[int], positions: list[int], bucket: int) -> None:
         """Stage the rows of a step over these sequences at these positions; padding rows up to the
-        bucket write to the scratch page. Nothing is done if they are staged already."""
+        bucket write to the scratch page. Nothing is done if they are staged already (a sequence's id is
+        never reused and its pages are allocated when it is admitted, so its staged rows stay true)."""
         if self._staged_for == (seq_ids, positions, bucket):
             return
         page, tables = self.cache.page_size, self._tables[:bucket]

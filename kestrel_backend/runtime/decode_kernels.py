@@ -9,6 +9,9 @@ and how well each streams its weight. Per layer we run three kernels instead of 
   token per sequence;
 - `linear2_residual`: out-projection and fc2 summed onto the residual with their bias.
 
+For one sequence, `norm_linear_attention` makes the first two one kernel (the attention runs while
+fc1's weight streams), and the LM head (`norm_linear` with `best`) also makes the greedy choice.
+
 They also run under TRITON_INTERPRET=1 on the CPU, which is how the tests check them.
 """
 
@@ -362,7 +365,7 @@ def _softmax_block(q_rot, q_pass, kr, kp, v, valid, m_i, l_i, acc):
 @triton.jit
 def _context_share(seq_lens_ptr, b, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """[lo, hi): the cached positions (the new token's excluded) that this split of sequence b attends to."""
-    cached = tl.load(seq_lens_ptr + b) - 1  # step inputs come from the host copy before the graph
+    cached = tl.load(seq_lens_ptr + b) - 1  # step inputs: copied in before any kernel of the step
     chunk = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     return lo, tl.minimum(cached, lo + chunk)
