@@ -2,8 +2,8 @@
 
     python benchmarks/profile_vision.py
 
-Prints SDPA time per backend for the encoder's attention shape, the encode time eager and as a CUDA graph
-(what launch gaps cost), then the top kernels of one encode.
+Prints SDPA time per backend for the encoder's attention shape, the encode time eager, as a CUDA graph
+(what launch gaps cost) and split over several streams, then the top kernels of one encode.
 """
 
 import sys
@@ -18,6 +18,17 @@ from benchmarks.gpu_bench import graph_timed, timed  # noqa: E402
 from kestrel_backend.model import vision  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
+
+
+def _over_streams(x, w, v, parts: int) -> torch.Tensor:
+    main, outs = torch.cuda.current_stream(), []
+    for chunk in x.tensor_split(parts):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            outs.append(vision.encode_crops(chunk, w, v))
+        main.wait_stream(stream)
+    return torch.cat(outs)
 
 
 def main(crops: int = 13) -> None:
@@ -42,6 +53,9 @@ def main(crops: int = 13) -> None:
             eager = timed(lambda: vision.encode_crops(xs, w, v), iters=10)
             graph = graph_timed(lambda: vision.encode_crops(xs, w, v), calls=1)
             print(f"encode {n} crops: eager {eager:.2f} ms, as a CUDA graph {graph:.2f} ms", flush=True)
+        for parts in (2, 3, 4):  # the crops split over CUDA streams, to fill each other's kernel-boundary bubbles
+            ms = timed(lambda: _over_streams(x, w, v, parts), iters=10)
+            print(f"encode {crops} crops over {parts} streams: {ms:.2f} ms", flush=True)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             print(f"encode {crops} crops, flash attention: {timed(lambda: vision.encode_crops(x, w, v), iters=10):.2f} ms")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -76,7 +76,8 @@ def launch_everything() -> None:
                 if m == 1:
                     dk.norm_linear_attention(x, ln, ln, wq, bq, wf, bf, cos, cos, cache, cache, tables, lens, lens,
                                              page, torch.zeros(2 * h, dtype=torch.int32), splits)
-            dk.embed_rows(torch.zeros(m, dtype=torch.int32), torch.zeros(16, cfg.dim, **f), x)
+            dk.embed_rows(torch.zeros(m, dtype=torch.int32), torch.zeros(16, cfg.dim, **f), x,
+                          torch.zeros(m, dtype=torch.int32))
             rope_qk_inplace(torch.zeros(m, 3 * cfg.dim, **f), cos, cos, 2 * h, d)  # (prefill)
         vision = torch.zeros(729, VisionConfig().enc_dim, **f)
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])

@@ -242,11 +242,12 @@ def test_step_inputs_pack_tables_lengths_slots_and_rotary_per_sequence(tiny_mode
             assert torch.equal(got.sin[row], tiny_model.rope[pos, :, 1])
 
 
-def test_embed_rows_takes_token_embeddings_or_the_given_rows():
+def test_embed_rows_takes_token_embeddings_fed_back_tokens_or_the_given_rows():
     g = torch.Generator().manual_seed(0)
-    table, given = torch.randn(50, 256, generator=g), torch.randn(3, 256, generator=g)
-    got = dk.embed_rows(torch.tensor([7, -1, 49], dtype=torch.int32), table, given)
-    assert torch.equal(got, torch.stack([table[7], given[1], table[49]]))
+    table, given = torch.randn(50, 256, generator=g), torch.randn(4, 256, generator=g)
+    previous = torch.tensor([1, 2, 3, 30], dtype=torch.int32)  # what the step before chose
+    got = dk.embed_rows(torch.tensor([7, -1, 49, dk.FED_BACK], dtype=torch.int32), table, given, previous)
+    assert torch.equal(got, torch.stack([table[7], given[1], table[49], table[30]]))
 
 
 def test_every_kernel_compiles_for_hopper_and_ampere():

@@ -15,7 +15,7 @@ import torch
 
 from ..model.moondream import Moondream
 from ..model.layers import layer_norm, linear, mlp_hidden
-from .decode_kernels import (GEMV_MAX_ROWS, embed_rows, greedy_tokens, linear2_residual, norm_linear,
+from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, greedy_tokens, linear2_residual, norm_linear,
                              norm_linear_attention, rotary_paged_attention)
 from .kv_cache import PagedKVCache
 
@@ -102,16 +102,16 @@ class StepInputs:
         # tables, lengths, slots, cos, sin, banned tokens, input tokens
         self._sizes = [n * max_pages, n, n, n * half, n * half, n * MAX_BANNED, n]
         cuda = torch.device(device).type == "cuda"  # (the CPU form is for the tests)
-        self.host = torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=cuda)
-        self.device = torch.zeros_like(self.host, device=device)
-        self._copied = torch.cuda.Event() if cuda else None
+        # two pinned buffers: one step's may be filled while the GPU has yet to copy the other's
+        self.host = [torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self.device = torch.zeros_like(self.host[0], device=device)
+        self._copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._staged, self._staged_for = np.zeros(sum(self._sizes), dtype=np.int32), None
         self._staged[-n * (1 + MAX_BANNED):-n] = -1
         tables, self._lens, self._slots, cos, sin, _, _ = np.split(self._staged, np.cumsum(self._sizes)[:-1])
         self._tables = tables.reshape(n, max_pages)
         self._cos, self._sin = cos.view(np.float32).reshape(n, half), sin.view(np.float32).reshape(n, half)
-        self._banned = self.host.numpy()[-n * (1 + MAX_BANNED):-n].reshape(n, MAX_BANNED)
-        self._tokens = self.host.numpy()[-n:]
+        self._host = [h.numpy() for h in self.host]
 
     def rows(self, b: int) -> StepTensors:
         """Device views for the first b sequences (static addresses: graph inputs)."""
@@ -143,24 +143,46 @@ class StepInputs:
         self._staged_for = (list(seq_ids), list(positions), bucket)
 
     def upload(self, tokens: list[int], seq_ids: list[int], positions: list[int], bucket: int,
-               banned: list[tuple[int, ...]] = ()) -> None:
+               banned: list[tuple[int, ...]] = (), buffer: int = 0) -> None:
         """This step's rows (staged now unless prepare() did), input tokens and banned tokens (at most
-        MAX_BANNED per sequence) into the pinned buffer."""
+        MAX_BANNED per sequence) into pinned buffer 0 or 1."""
         self.prepare(seq_ids, positions, bucket)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the pinned buffer
-        np.copyto(self.host.numpy(), self._staged)  # (banned rows: -1, from the staging array)
-        self._tokens[:len(tokens)] = tokens
+        if self._copied[buffer] is not None:
+            self._copied[buffer].synchronize()  # the last step from this buffer has copied it
+        host, n = self._host[buffer], self.n
+        np.copyto(host, self._staged)  # (banned rows: -1, from the staging array)
+        host[-n:][:len(tokens)] = tokens
+        bans = host[-n * (1 + MAX_BANNED):-n].reshape(n, MAX_BANNED)
         for row, tokens_out in enumerate(banned):
-            self._banned[row, :len(tokens_out)] = tokens_out
+            bans[row, :len(tokens_out)] = tokens_out
 
-    def copy_to_device(self) -> None:
+    def copy_to_device(self, buffer: int = 0) -> None:
         """The host-to-device copy, issued inside the step (a node of its graph)."""
-        self.device.copy_(self.host, non_blocking=True)
+        self.device.copy_(self.host[buffer], non_blocking=True)
 
-    def step_launched(self) -> None:
-        if self._copied is not None:
-            self._copied.record()
+    def step_launched(self, buffer: int = 0) -> None:
+        if self._copied[buffer] is not None:
+            self._copied[buffer].record()
+
+
+class HostTokens:
+    """Token ids copied from the GPU into pinned memory after one step: tolist() waits for that copy
+    only, not for steps launched after it."""
+
+    def __init__(self, n: int):
+        self._pinned = torch.zeros(n, dtype=torch.int32, pin_memory=True)
+        self._copied = torch.cuda.Event()
+        self._n = 0
+
+    def copy_from(self, tokens: torch.Tensor) -> "HostTokens":
+        self._n = len(tokens)
+        self._pinned[:self._n].copy_(tokens, non_blocking=True)
+        self._copied.record()
+        return self
+
+    def tolist(self) -> list[int]:
+        self._copied.synchronize()
+        return self._pinned[:self._n].tolist()
 
 
 LONG_CONTEXT = 128  # from here splitting the attention over the context pays (H100, one sequence, interleaved
@@ -170,7 +192,10 @@ LONG_CONTEXT = 128  # from here splitting the attention over the context pays (H
 class CudaGraphDecoder:
     """Decode steps for up to max_batch sequences, captured once per batch-size bucket and replayed.
     Buckets of the GEMV form get two graphs: for short contexts the attention is one program per
-    sequence and head; for long ones it is split over the context."""
+    sequence and head; for long ones it is split over the context. They also come in two parities that
+    alternate from step to step (inputs from pinned buffer p, greedy tokens into greedy[p]): a step can
+    then be launched while the one before is still running, taking that step's tokens as its inputs
+    on the GPU (FED_BACK) before the host has read them."""
 
     def __init__(self, model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int):
         self.model, self.cache = model, cache
@@ -180,65 +205,88 @@ class CudaGraphDecoder:
         self.given = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)  # inputs that are not tokens
         self.logits = torch.zeros(max_batch, model.config.text.vocab_size, device=dev, dtype=torch.float32)
         self.hidden = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)
-        self.greedy = torch.zeros(max_batch, device=dev, dtype=torch.int32)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.greedy = torch.zeros(2, max_batch, device=dev, dtype=torch.int32)
+        self._greedy_host = [HostTokens(max_batch) for _ in range(2)]
+        self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self._parity = 1
 
-    def _step(self, b: int, long_context: bool) -> None:
-        self.inputs.copy_to_device()
-        x = embed_rows(self.inputs.tokens(b), self.model.weights.text.wte, self.given[:b])
+    FED_BACK = FED_BACK
+
+    def _step(self, b: int, long_context: bool, parity: int) -> None:
+        self.inputs.copy_to_device(parity)
+        x = embed_rows(self.inputs.tokens(b), self.model.weights.text.wte, self.given[:b], self.greedy[1 - parity, :b])
         splits = 1 if b <= GEMV_MAX_ROWS and not long_context else None
         self.hidden[:b] = fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,
-                                            self.greedy[:b])
+                                            self.greedy[parity, :b])
 
-    def _graph(self, b: int, long_context: bool) -> torch.cuda.CUDAGraph:
-        if (b, long_context) not in self.graphs:
+    def _graph(self, b: int, long_context: bool, parity: int) -> torch.cuda.CUDAGraph:
+        if (b, long_context, parity) not in self.graphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: Triton compiles, allocator settles (writes go to the scratch page)
-                    self._step(b, long_context)
+                    self._step(b, long_context, parity)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._step(b, long_context)
+                self._step(b, long_context, parity)
             self._pool = graph.pool()
-            self.graphs[b, long_context] = graph
-        return self.graphs[b, long_context]
+            self.graphs[b, long_context, parity] = graph
+        return self.graphs[b, long_context, parity]
 
     @staticmethod
     def _variants(bucket: int) -> list[bool]:
         return [False, True] if bucket <= GEMV_MAX_ROWS else [False]
 
     def warmup(self) -> None:
-        self.inputs.upload([], [], [], max(self.buckets))  # every row padding: all writes go to the scratch page
+        for buffer in (0, 1):  # every row padding: all writes go to the scratch page
+            self.inputs.upload([], [], [], max(self.buckets), buffer=buffer)
         with torch.inference_mode():
             for b in self.buckets:
                 for long_context in self._variants(b):
-                    self._graph(b, long_context)
+                    for parity in self._parities(b):
+                        self._graph(b, long_context, parity)
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    @staticmethod
+    def _parities(bucket: int) -> tuple[int, ...]:
+        return (0, 1) if bucket <= GEMV_MAX_ROWS else (0,)
+
+    def feeds_back(self, n: int) -> bool:
+        """Whether a step of n sequences chooses its greedy tokens on the GPU, so that the next step can
+        take them as inputs (FED_BACK) before the host reads them."""
+        return self._bucket(n) <= GEMV_MAX_ROWS
+
     @torch.inference_mode()
     def run(self, inputs: list, seq_ids: list[int], positions: list[int], banned: list[tuple[int, ...]] | None = None):
-        """One step. inputs: per sequence a token id, or an input embedding [dim] (a region head's), at
-        these positions; banned: per sequence the tokens its greedy choice may not take. -> (logits
-        [B, V], hidden [B, dim], greedy [B] or None), views of static buffers, not yet computed when this
-        returns (the GPU runs the step). greedy, each row's argmax with its bans applied (which are -inf
-        in logits then), comes with the GEMV form of the step when every row bans at most MAX_BANNED."""
+        """One step. inputs: per sequence a token id, FED_BACK (the token the previous step chose for
+        that row, which must have been a step of these sequences), or an input embedding [dim] (a region
+        head's), at these positions; banned: per sequence the tokens its greedy choice may not take.
+        -> (logits [B, V], hidden [B, dim], greedy HostTokens or None): logits and hidden are views of
+        static buffers, not yet computed when this returns (the GPU runs the step), and overwritten by
+        the next step; greedy, each row's argmax with its bans applied (which are -inf in logits then),
+        is on its way to the host ahead of any later step. It comes with the GEMV form of the step when
+        every row bans at most MAX_BANNED."""
         n = len(seq_ids)
         bucket = self._bucket(n)
         long_context = self._variants(bucket)[-1] and max(positions) >= LONG_CONTEXT
+        parity = 1 - self._parity if bucket <= GEMV_MAX_ROWS else 0
         tokens = [t if isinstance(t, int) else -1 for t in inputs]
         for i, given in enumerate(inputs):
             if not isinstance(given, int):
                 self.given[i].copy_(given.reshape(-1))
         fits = banned is not None and all(len(b) <= MAX_BANNED for b in banned)
-        self.inputs.upload(tokens, seq_ids, positions, bucket, banned if fits else ())
-        self._graph(bucket, long_context).replay()
-        self.inputs.step_launched()
-        greedy = self.greedy[:n] if fits and bucket <= GEMV_MAX_ROWS else None
+        self.inputs.upload(tokens, seq_ids, positions, bucket, banned if fits else (), buffer=parity)
+        self._graph(bucket, long_context, parity).replay()
+        self.inputs.step_launched(parity)
+        greedy = None
+        if bucket <= GEMV_MAX_ROWS:
+            self._parity = parity
+            if fits:
+                greedy = self._greedy_host[parity].copy_from(self.greedy[parity, :n])
         return self.logits[:n], self.hidden[:n], greedy
 
     def prepare(self, seq_ids: list[int], positions: list[int]) -> None:

@@ -606,11 +606,17 @@ def norm_linear_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, fc1_weigh
     return out, out2
 
 
+FED_BACK = -2  # a token id meaning: the token the previous step chose for this row (embed_rows)
+
+
 @triton.jit
-def _embed_rows_kernel(tokens_ptr, table_ptr, given_ptr, out_ptr, D: tl.constexpr, BLOCK: tl.constexpr):
+def _embed_rows_kernel(tokens_ptr, previous_ptr, table_ptr, given_ptr, out_ptr, D: tl.constexpr, BLOCK: tl.constexpr,
+                       FED_BACK_ID: tl.constexpr):
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     token = tl.load(tokens_ptr + b)
+    if token == FED_BACK_ID:
+        token = tl.load(previous_ptr + b)
     if token >= 0:
         row = tl.load(table_ptr + token.to(tl.int64) * D + offs)
     else:
@@ -618,12 +624,14 @@ def _embed_rows_kernel(tokens_ptr, table_ptr, given_ptr, out_ptr, D: tl.constexp
     tl.store(out_ptr + b * D + offs, row)
 
 
-def embed_rows(tokens, table, given):
-    """Input rows of a decode step: row b is the embedding of tokens[b], or given[b] where tokens[b] < 0.
-    tokens [B] int32, table [V, D] and given [B, D] contiguous -> [B, D]."""
+def embed_rows(tokens, table, given, previous=None):
+    """Input rows of a decode step: row b is the embedding of tokens[b], of previous[b] where tokens[b] is
+    FED_BACK (the token the step before chose, still on the GPU), or given[b] where tokens[b] is -1.
+    tokens and previous [B] int32, table [V, D] and given [B, D] contiguous -> [B, D]."""
     (b,), d = tokens.shape, table.shape[1]
     block = min(d, 1024)
     assert table.is_contiguous() and given.is_contiguous() and given.shape == (b, d) and d % block == 0
     out = torch.empty(b, d, device=table.device, dtype=table.dtype)
-    _embed_rows_kernel[(b, d // block)](tokens, table, given, out, D=d, BLOCK=block, num_warps=4)
+    _embed_rows_kernel[(b, d // block)](tokens, tokens if previous is None else previous, table, given, out, D=d,
+                                        BLOCK=block, FED_BACK_ID=FED_BACK, num_warps=4)
     return out

@@ -54,6 +54,9 @@ class Scheduler:
         self.images_encoded = 0
         self.phase_s = {"prefill": 0.0, "decode": 0.0, "choose": 0.0, "advance": 0.0}  # where step time goes
         self.fault_injector = None  # tests and chaos runs: a callable run inside each step
+        self._ahead = None  # a decode step launched before the last one's tokens were read (_launch_ahead)
+        self._chosen: dict[int, int] = {}  # the tokens chosen in the last step, by sequence id
+        self.steps_ahead = {"used": 0, "dropped": 0}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -102,8 +105,10 @@ class Scheduler:
                 chosen = [choose_tokens(logits, [seq.generation.choice() for seq in seqs], greedy)
                           for seqs, logits, _, greedy in outputs]
                 t3 = time.perf_counter()
+                self._chosen = {}
                 for (seqs, _, hidden, _), tokens in zip(outputs, chosen):
                     for seq, token, h in zip(seqs, tokens, hidden):
+                        self._chosen[seq.id] = token
                         self._advance(seq, token, h)
                 t4 = time.perf_counter()
                 for phase, dt in zip(self.phase_s, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
@@ -111,6 +116,7 @@ class Scheduler:
             self.consecutive_failures = 0
         except Exception as e:  # fail this step's requests only; the engine keeps serving
             log.exception("engine step failed")
+            self._ahead = None
             self.consecutive_failures += 1
             for seq in batch:
                 self._end(seq, error=EngineError(f"inference step failed: {type(e).__name__}: {e}"))
@@ -169,13 +175,34 @@ class Scheduler:
         """-> (logits, hidden, greedy tokens when the step chose them already, or None)."""
         if self.decoder is None:
             return *self._forward_flat(seqs, prefill=False), None
-        ids = [s.id for s in seqs]
+        ids, positions = [s.id for s in seqs], [s.length for s in seqs]
         banned = [s.generation.choice().banned for s in seqs]
-        logits, hidden, greedy = self.decoder.run([s.next_input for s in seqs], ids, [s.length for s in seqs], banned)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[:3] == (ids, positions, banned) and all(
+                isinstance(s.next_input, int) and s.next_input == self._chosen.get(s.id) for s in seqs):
+            logits, hidden, greedy = ahead[3]  # launched last step, with exactly these inputs
+            self.steps_ahead["used"] += 1
+        else:
+            self.steps_ahead["dropped"] += ahead is not None  # (its writes land in slots rewritten now)
+            logits, hidden, greedy = self.decoder.run([s.next_input for s in seqs], ids, positions, banned)
         for seq in seqs:
             seq.length += 1
-        self.decoder.prepare(ids, [s.length for s in seqs])  # the likely next step, while the GPU runs this one
+        self._launch_ahead(seqs, greedy, banned)
         return logits, hidden, greedy
+
+    def _launch_ahead(self, seqs: list[Sequence], greedy, banned: list[tuple[int, ...]]) -> None:
+        """While the GPU runs this step, launch the next one, when it is predictable: every sequence
+        generates text greedily, so its next input is the token this step chooses (fed back on the GPU)
+        and its bans stay as they are. The next step uses it if that holds, else drops it. Either way
+        the host's work between two steps no longer leaves the GPU idle. Otherwise stage the next
+        step's rows."""
+        ids, positions = [s.id for s in seqs], [s.length for s in seqs]
+        if greedy is None or not all(s.generation.feeds_back_tokens and s.generation.choice().temperature == 0
+                                     and s.length < s.capacity for s in seqs):
+            self.decoder.prepare(ids, positions)
+            return
+        outputs = self.decoder.run([self.decoder.FED_BACK] * len(seqs), ids, positions, banned)
+        self._ahead = (ids, positions, banned, outputs)
 
     def _forward_flat(self, seqs: list[Sequence], prefill: bool):
         """One forward over a flat token list (whole prompts, or one input each) with torch attention."""

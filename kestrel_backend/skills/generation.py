@@ -31,6 +31,9 @@ class Prompt:
 
 class Generation:
     finish_reason: str | None = None
+    # its next input is always the token it chose, and it never reads the hidden state: the engine may
+    # then start its next step on the GPU before the chosen token reaches the host
+    feeds_back_tokens = False
 
     @property
     def done(self) -> bool:
@@ -53,6 +56,8 @@ def _seed(settings: Settings) -> int:
 
 class TextGeneration(Generation):
     """Answer or caption text: stop at EOS or max_tokens; the answer marker is banned after the first token."""
+
+    feeds_back_tokens = True
 
     def __init__(self, tok: TokenizerConfig, settings: Settings, seed: int | None = None):
         self.tok, self.settings = tok, settings

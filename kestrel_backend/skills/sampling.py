@@ -32,19 +32,18 @@ def _uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tens
     return ((x >> 11).double() + 0.5) / float(1 << 52)
 
 
-def choose_tokens(logits: torch.Tensor, choices: list[Choice], greedy: torch.Tensor | None = None) -> list[int]:
+def choose_tokens(logits: torch.Tensor, choices: list[Choice], greedy=None) -> list[int]:
     """logits [B, V] float32 (modified in place for bans) -> one token id per row (one host sync).
-    greedy: each row's argmax with its bans applied, when the GPU step computed it with the logits (whose
-    banned entries are -inf then); it saves an argmax over the vocabulary."""
+    greedy: each row's argmax with its bans applied (anything with tolist()), when the GPU step computed
+    it with the logits, whose banned entries are -inf then; it saves the argmax when no row samples."""
     sampled = [i for i, c in enumerate(choices) if c.temperature > 0]
-    if greedy is not None:
-        tokens = greedy.long() if sampled else greedy  # (a copy: the step's buffer stays as it is)
-    else:
-        banned = [(row, token) for row, c in enumerate(choices) for token in c.banned]
-        if banned:
-            rows, tokens = torch.tensor(banned, device=logits.device).T
-            logits[rows, tokens] = float("-inf")
-        tokens = logits.argmax(dim=-1)
+    if greedy is not None and not sampled:
+        return greedy.tolist()
+    banned = [(row, token) for row, c in enumerate(choices) for token in c.banned]
+    if banned and greedy is None:
+        rows, tokens = torch.tensor(banned, device=logits.device).T
+        logits[rows, tokens] = float("-inf")
+    tokens = logits.argmax(dim=-1)
     if sampled:
         dev = logits.device
         idx = torch.tensor(sampled, device=dev)
