@@ -211,11 +211,12 @@ class CudaGraphDecoder:
         self._pool = None
         self._parity = 1
 
-    FED_BACK = FED_BACK
+    FED_BACK = FED_BACK  # (for the scheduler, which does not import the kernels)
 
     def _step(self, b: int, long_context: bool, parity: int) -> None:
         self.inputs.copy_to_device(parity)
-        x = embed_rows(self.inputs.tokens(b), self.model.weights.text.wte, self.given[:b], self.greedy[1 - parity, :b])
+        previous = self.greedy[1 - parity, :b]  # the tokens of the step before, for FED_BACK inputs
+        x = embed_rows(self.inputs.tokens(b), self.model.weights.text.wte, self.given[:b], previous)
         splits = 1 if b <= GEMV_MAX_ROWS and not long_context else None
         self.hidden[:b] = fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,
                                             self.greedy[parity, :b])
@@ -254,11 +255,6 @@ class CudaGraphDecoder:
     @staticmethod
     def _parities(bucket: int) -> tuple[int, ...]:
         return (0, 1) if bucket <= GEMV_MAX_ROWS else (0,)
-
-    def feeds_back(self, n: int) -> bool:
-        """Whether a step of n sequences chooses its greedy tokens on the GPU, so that the next step can
-        take them as inputs (FED_BACK) before the host reads them."""
-        return self._bucket(n) <= GEMV_MAX_ROWS
 
     @torch.inference_mode()
     def run(self, inputs: list, seq_ids: list[int], positions: list[int], banned: list[tuple[int, ...]] | None = None):

@@ -610,8 +610,8 @@ FED_BACK = -2  # a token id meaning: the token the previous step chose for this 
 
 
 @triton.jit
-def _embed_rows_kernel(tokens_ptr, previous_ptr, table_ptr, given_ptr, out_ptr, D: tl.constexpr, BLOCK: tl.constexpr,
-                       FED_BACK_ID: tl.constexpr):
+def _embed_rows_kernel(tokens_ptr, previous_ptr, table_ptr, given_ptr, out_ptr, D: tl.constexpr,
+                       BLOCK: tl.constexpr, FED_BACK_ID: tl.constexpr):
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     token = tl.load(tokens_ptr + b)

@@ -99,8 +99,8 @@ class Scheduler:
                     for seq in new:
                         seq.prefill_ms = (time.perf_counter() - t0) * 1000
                 t1 = time.perf_counter()
-                if decoding:  # one input per running sequence
-                    outputs.append((decoding, *self._decode(decoding)))
+                if decoding:  # one input per running sequence (next step's alike unless sequences join now)
+                    outputs.append((decoding, *self._decode(decoding, launch_ahead=not new)))
                 t2 = time.perf_counter()
                 chosen = [choose_tokens(logits, [seq.generation.choice() for seq in seqs], greedy)
                           for seqs, logits, _, greedy in outputs]
@@ -171,8 +171,9 @@ class Scheduler:
                 x[i] = seq.next_input.reshape(-1)
         return x
 
-    def _decode(self, seqs: list[Sequence]):
-        """-> (logits, hidden, greedy tokens when the step chose them already, or None)."""
+    def _decode(self, seqs: list[Sequence], launch_ahead: bool = False):
+        """-> (logits, hidden, greedy tokens when the step chose them already, or None). launch_ahead:
+        the next step will decode the same sequences, if none finishes."""
         if self.decoder is None:
             return *self._forward_flat(seqs, prefill=False), None
         ids, positions = [s.id for s in seqs], [s.length for s in seqs]
@@ -187,7 +188,10 @@ class Scheduler:
             logits, hidden, greedy = self.decoder.run([s.next_input for s in seqs], ids, positions, banned)
         for seq in seqs:
             seq.length += 1
-        self._launch_ahead(seqs, greedy, banned)
+        if launch_ahead:
+            self._launch_ahead(seqs, greedy, banned)
+        else:
+            self.decoder.prepare(ids, [s.length for s in seqs])
         return logits, hidden, greedy
 
     def _launch_ahead(self, seqs: list[Sequence], greedy, banned: list[tuple[int, ...]]) -> None:
