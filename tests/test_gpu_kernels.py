@@ -224,8 +224,8 @@ def test_step_inputs_pack_tables_lengths_slots_and_rotary_per_sequence(tiny_mode
     for i, (seq_ids, positions, tokens) in enumerate(steps):  # each step must clear the one before's rows
         if i == 2:
             inputs.prepare(seq_ids, positions, 2)  # staged ahead, as the scheduler does
-        inputs.upload(tokens, seq_ids, positions, 2, [(3,)] * (i == 0))
-        inputs.copy_to_device()
+        inputs.upload(tokens, seq_ids, positions, 2, [(3,)] * (i == 0), buffer=i % 2)  # (the pinned buffers alternate)
+        inputs.copy_to_device(i % 2)
         got = inputs.rows(2)
         assert inputs.tokens(len(tokens)).tolist() == tokens
         assert got.banned.tolist() == ([[3, -1], [-1, -1]] if i == 0 else [[-1, -1]] * 2)
