@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import timed  # noqa: E402
+from benchmarks.gpu_bench import captured, timed  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
@@ -81,16 +81,8 @@ def main() -> None:
                 dk.PDL_ENABLED = pdl  # read at launch, so while capturing
                 cuda_decode.ATTENTION_IN_NORM_LINEAR = one_kernel
                 dk._tiles = _with_tiles(tiles)
-                step = lambda: fused_decode_step(model, x, cache, inputs.rows(args.batch), logits, splits)  # noqa: E731
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    step()
-                    step()
-                torch.cuda.current_stream().wait_stream(s)
-                graphs[name] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graphs[name]):
-                    step()
+                graphs[name] = captured(lambda: fused_decode_step(model, x, cache, inputs.rows(args.batch), logits,
+                                                                  splits), warmups=2)
             dk.PDL_ENABLED = cuda_decode.ATTENTION_IN_NORM_LINEAR = True
             dk._tiles = DEFAULT_TILES
             times = {name: [] for name in variants}

@@ -55,19 +55,26 @@ def timed(fn, warmup=3, iters=20) -> float:
     return statistics.median(times)
 
 
-def graph_timed(fn, calls: int = 8, iters: int = 10) -> float:
-    """Milliseconds per fn() with `calls` of them replayed as one CUDA graph: the GPU time alone, without
-    Python's launch cost (which dominates kernels of a few microseconds)."""
+def captured(fn, calls: int = 1, warmups: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` fn() calls, after warm-up calls on a side stream (Triton compiles, the
+    allocator settles)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()
+        for _ in range(warmups):
+            fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return timed(graph.replay, warmup=2, iters=iters) / calls
+    return graph
+
+
+def graph_timed(fn, calls: int = 8, iters: int = 10) -> float:
+    """Milliseconds per fn() with `calls` of them replayed as one CUDA graph: the GPU time alone, without
+    Python's launch cost (which dominates kernels of a few microseconds)."""
+    return timed(captured(fn, calls).replay, warmup=2, iters=iters) / calls
 
 
 def steps_launched_ahead(decoder: CudaGraphDecoder, bsz: int, context: int, n: int = 200) -> float:

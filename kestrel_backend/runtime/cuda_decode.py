@@ -107,11 +107,15 @@ class StepInputs:
         self.device = torch.zeros_like(self.host[0], device=device)
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._staged, self._staged_for = np.zeros(sum(self._sizes), dtype=np.int32), None
-        self._staged[-n * (1 + MAX_BANNED):-n] = -1
-        tables, self._lens, self._slots, cos, sin, _, _ = np.split(self._staged, np.cumsum(self._sizes)[:-1])
+        tables, self._lens, self._slots, cos, sin, banned, _ = self._fields(self._staged)
+        banned[:] = -1  # (no bans unless upload sets some)
         self._tables = tables.reshape(n, max_pages)
         self._cos, self._sin = cos.view(np.float32).reshape(n, half), sin.view(np.float32).reshape(n, half)
-        self._host = [h.numpy() for h in self.host]
+        self._host = [self._fields(h.numpy()) for h in self.host]  # views of each pinned buffer's fields
+
+    def _fields(self, buffer: np.ndarray) -> list[np.ndarray]:
+        """Views of one packed buffer: tables, lengths, slots, cos, sin, banned tokens, input tokens."""
+        return np.split(buffer, np.cumsum(self._sizes)[:-1])
 
     def rows(self, b: int) -> StepTensors:
         """Device views for the first b sequences (static addresses: graph inputs)."""
@@ -122,7 +126,7 @@ class StepInputs:
 
     def tokens(self, b: int) -> torch.Tensor:
         """Device view of the first b rows' input tokens (-1 where the input is an embedding)."""
-        return self.device[-self.n:][:b]
+        return self.device.split(self._sizes)[6][:b]
 
     def prepare(self, seq_ids: list[int], positions: list[int], bucket: int) -> None:
         """Stage the rows of a step over these sequences at these positions; padding rows up to the
@@ -149,10 +153,10 @@ class StepInputs:
         self.prepare(seq_ids, positions, bucket)
         if self._copied[buffer] is not None:
             self._copied[buffer].synchronize()  # the last step from this buffer has copied it
-        host, n = self._host[buffer], self.n
-        np.copyto(host, self._staged)  # (banned rows: -1, from the staging array)
-        host[-n:][:len(tokens)] = tokens
-        bans = host[-n * (1 + MAX_BANNED):-n].reshape(n, MAX_BANNED)
+        fields = self._host[buffer]
+        np.copyto(self.host[buffer].numpy(), self._staged)  # (banned rows: -1, from the staging array)
+        fields[6][:len(tokens)] = tokens
+        bans = fields[5].reshape(self.n, MAX_BANNED)
         for row, tokens_out in enumerate(banned):
             bans[row, :len(tokens_out)] = tokens_out
 

@@ -216,7 +216,7 @@ def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, r
                        offs_n, K2, BLOCK_K, USE_DOT, PRECISION)
     res = tl.load(res_ptr + offs_m[:, None] * res_stride + offs_n[None, :], mask=m_mask[:, None], other=0.0)
     acc += res.to(tl.float32) + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+    _store_columns(out_ptr, acc, offs_m, m_mask, offs_n, N)
 
 
 GEMV_MAX_ROWS = 2  # up to here, streaming the weight through plain loads beats tensor cores (tune_decode_kernels.py)

@@ -54,7 +54,7 @@ class Scheduler:
         self.images_encoded = 0
         self.phase_s = {"prefill": 0.0, "decode": 0.0, "choose": 0.0, "advance": 0.0}  # where step time goes
         self.fault_injector = None  # tests and chaos runs: a callable run inside each step
-        self._ahead = None  # a decode step launched before the last one's tokens were read (_launch_ahead)
+        self._ahead = None  # a decode step launched before the last one's tokens were read (see _decode)
         self._chosen: dict[int, int] = {}  # the tokens chosen in the last step, by sequence id
         self.steps_ahead = {"used": 0, "dropped": 0}
 
@@ -177,7 +177,8 @@ class Scheduler:
         if self.decoder is None:
             return *self._forward_flat(seqs, prefill=False), None
         ids, positions = [s.id for s in seqs], [s.length for s in seqs]
-        banned = [s.generation.choice().banned for s in seqs]
+        choices = [s.generation.choice() for s in seqs]
+        banned = [c.banned for c in choices]
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[:3] == (ids, positions, banned) and all(
                 isinstance(s.next_input, int) and s.next_input == self._chosen.get(s.id) for s in seqs):
@@ -188,25 +189,22 @@ class Scheduler:
             logits, hidden, greedy = self.decoder.run([s.next_input for s in seqs], ids, positions, banned)
         for seq in seqs:
             seq.length += 1
-        if launch_ahead:
-            self._launch_ahead(seqs, greedy, banned)
+        positions = [s.length for s in seqs]
+        if launch_ahead and greedy is not None and self._predictable(seqs, choices):
+            # launch the next step while the GPU runs this one, its inputs this step's tokens (fed back on
+            # the GPU): the next step uses it if the guess holds, else drops it
+            self._ahead = (ids, positions, banned, self.decoder.run([self.decoder.FED_BACK] * len(seqs), ids,
+                                                                    positions, banned))
         else:
-            self.decoder.prepare(ids, [s.length for s in seqs])
+            self.decoder.prepare(ids, positions)  # stage the next step's rows while the GPU runs this one
         return logits, hidden, greedy
 
-    def _launch_ahead(self, seqs: list[Sequence], greedy, banned: list[tuple[int, ...]]) -> None:
-        """While the GPU runs this step, launch the next one, when it is predictable: every sequence
-        generates text greedily, so its next input is the token this step chooses (fed back on the GPU)
-        and its bans stay as they are. The next step uses it if that holds, else drops it. Either way
-        the host's work between two steps no longer leaves the GPU idle. Otherwise stage the next
-        step's rows."""
-        ids, positions = [s.id for s in seqs], [s.length for s in seqs]
-        if greedy is None or not all(s.generation.feeds_back_tokens and s.generation.choice().temperature == 0
-                                     and s.length < s.capacity for s in seqs):
-            self.decoder.prepare(ids, positions)
-            return
-        outputs = self.decoder.run([self.decoder.FED_BACK] * len(seqs), ids, positions, banned)
-        self._ahead = (ids, positions, banned, outputs)
+    @staticmethod
+    def _predictable(seqs: list[Sequence], choices) -> bool:
+        """Whether the next step's inputs are this step's tokens, with the same bans: every sequence
+        generates text greedily and has room for another token."""
+        return all(s.generation.feeds_back_tokens and c.temperature == 0 and s.length < s.capacity
+                   for s, c in zip(seqs, choices))
 
     def _forward_flat(self, seqs: list[Sequence], prefill: bool):
         """One forward over a flat token list (whole prompts, or one input each) with torch attention."""
