@@ -214,21 +214,7 @@ def kernel_check() -> dict:
             errs.append(rel(got[i].view(1, cfg.n_heads, d), ref))
         out[f"rotary_paged_attention_{name}"] = max(errs)
         out[f"norm_linear_attention_{name}_vs_two_kernels"] = one_kernel_check(cfg, f)
-        out[f"vision_attention_{name}"] = vision_attention_check(f)
     return out
-
-
-def vision_attention_check(f: dict, crops: int = 3) -> float:
-    """The encoder's attention kernel against float64 SDPA, on qkv rows shaped as the encoder's."""
-    from kestrel_backend.model.config import VisionConfig
-    from kestrel_backend.model.vision_attention_cuda import vision_attention
-
-    v = VisionConfig()
-    tokens, heads, hd = v.grid * v.grid, v.enc_n_heads, v.enc_dim // v.enc_n_heads
-    qkv = torch.randn(crops * tokens, 3 * v.enc_dim, **f)
-    q, k, val = (t.view(crops, tokens, heads, hd).transpose(1, 2) for t in qkv.double().chunk(3, dim=-1))
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, val).transpose(1, 2).reshape(crops * tokens, -1)
-    return float((vision_attention(qkv, crops, heads).double() - ref).norm() / ref.norm())
 
 
 def one_kernel_check(cfg, f: dict, runs: int = 30) -> dict:

@@ -18,7 +18,6 @@ from triton.runtime.jit import JITFunction
 from kestrel_backend.model.config import TextConfig, VisionConfig
 from kestrel_backend.model.layer_norm_cuda import shifted_layer_norm
 from kestrel_backend.model.rope_cuda import rope_qk_inplace
-from kestrel_backend.model.vision_attention_cuda import vision_attention
 from kestrel_backend.runtime import decode_kernels as dk
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
@@ -82,7 +81,6 @@ def launch_everything() -> None:
             rope_qk_inplace(torch.zeros(m, 3 * cfg.dim, **f), cos, cos, 2 * h, d)  # (prefill)
         vision = torch.zeros(729, VisionConfig().enc_dim, **f)
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
-        vision_attention(torch.zeros(2 * 729, 3 * VisionConfig().enc_dim, **f), 2, VisionConfig().enc_n_heads)
 
 
 def main() -> int:

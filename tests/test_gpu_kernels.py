@@ -1,7 +1,7 @@
-"""The GPU kernels (runtime/decode_kernels.py, model/layer_norm_cuda.py, model/vision_attention_cuda.py) and
-the GPU code paths built on them, checked on the CPU with Triton's interpreter against the plain torch path
-they replace. float32 only: the interpreter computes bfloat16 tl.dot wrongly (numpy has no bfloat16); the
-bfloat16 kernels are checked on the GPU by benchmarks/gpu_bench.py."""
+"""The GPU kernels (runtime/decode_kernels.py, model/layer_norm_cuda.py) and the GPU code paths built
+on them, checked on the CPU with Triton's interpreter against the plain torch path they replace.
+float32 only: the interpreter computes bfloat16 tl.dot wrongly (numpy has no bfloat16); the bfloat16
+kernels are checked on the GPU by benchmarks/gpu_bench.py."""
 
 import os
 
@@ -195,18 +195,6 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs, spl
     assert rel_err(hidden, hidden_ref) < 1e-5 and rel_err(logits[kept], logits_ref[kept]) < 1e-5
     assert torch.equal(logits.argmax(-1), logits_ref.argmax(-1))
     assert rel_err(cache.k, torch_cache.k) < 1e-6 and rel_err(cache.v, torch_cache.v) < 1e-6  # the new rows
-
-
-@pytest.mark.parametrize("head_dim", [72, 32, 8])  # 64 + 16 (8 of it padding), one power of two, padded to 16
-def test_vision_attention_matches_sdpa(head_dim):
-    from kestrel_backend.model.vision_attention_cuda import vision_attention
-
-    crops, heads, tokens = 2, 3, 45  # 45: three 16-row blocks and a ragged fourth, in queries and keys
-    qkv = torch.randn(crops * tokens, 3 * heads * head_dim, generator=torch.Generator().manual_seed(head_dim))
-    got = vision_attention(qkv, crops, heads, block_m=16, block_n=16, num_warps=4)
-    q, k, v = (t.view(crops, tokens, heads, head_dim).transpose(1, 2) for t in qkv.double().chunk(3, dim=-1))
-    ref = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(crops * tokens, heads * head_dim)
-    assert rel_err(got, ref) < 1e-6
 
 
 def test_gpu_vision_blocks_match_the_torch_blocks(tiny_model):

@@ -53,10 +53,8 @@ def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig) ->
 
 def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig) -> torch.Tensor:
     """The same blocks with the residual adds done by the output GEMMs (in place, beta = 1). Their biases
-    are left out of the stream and added back by the next norm: shifts[i] sums all biases before it.
-    The attention is one Triton kernel reading the qkv GEMM's rows (vision_attention_cuda)."""
+    are left out of the stream and added back by the next norm: shifts[i] sums all biases before it."""
     from .layer_norm_cuda import shifted_layer_norm
-    from .vision_attention_cuda import vision_attention
 
     b, n, d = x.shape
     x = x.view(b * n, d)
@@ -64,7 +62,7 @@ def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig)
     shifts = torch.cat([torch.zeros(1, d, device=x.device), torch.stack(biases).float().cumsum(0)])
     for i, block in enumerate(w.blocks):
         h = shifted_layer_norm(x, shifts[2 * i], block.ln1.weight, block.ln1.bias)
-        x.addmm_(vision_attention(linear(h, block.qkv), b, config.enc_n_heads), block.proj.weight.t())
+        x.addmm_(_attend_heads(h.view(b, n, d), block.qkv, config.enc_n_heads).view(b * n, d), block.proj.weight.t())
         h = shifted_layer_norm(x, shifts[2 * i + 1], block.ln2.weight, block.ln2.bias)
         x.addmm_(mlp_hidden(h, block.mlp), block.mlp.fc2.weight.t())
     return shifted_layer_norm(x, shifts[-1], w.post_ln.weight, w.post_ln.bias).view(b, n, d)
