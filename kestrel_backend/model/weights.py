@@ -299,9 +299,9 @@ def load_weights(path: str | Path, config: MoondreamConfig, dtype: torch.dtype =
     return build_weights(load_state(path, config), config, dtype, device)
 
 
-def random_weights(config: MoondreamConfig, dtype: torch.dtype = torch.bfloat16,
-                   device: str | torch.device = "cpu", seed: int = 0) -> MoondreamWeights:
-    """Random weights of the right shapes (for speed tests and smoke tests, never for answers)."""
+def random_state(config: MoondreamConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                 seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors of a checkpoint (current layout) of the right shapes, scaled so activations stay sane."""
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, shape in expected_shapes(config).items():
@@ -309,4 +309,10 @@ def random_weights(config: MoondreamConfig, dtype: torch.dtype = torch.bfloat16,
         state[name] = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(scale).to(dtype)
         if re.search(r"(ln\d?|post_ln)\.weight$", name):
             state[name].fill_(1.0)
-    return build_weights(state, config, dtype, device)
+    return state
+
+
+def random_weights(config: MoondreamConfig, dtype: torch.dtype = torch.bfloat16,
+                   device: str | torch.device = "cpu", seed: int = 0) -> MoondreamWeights:
+    """Random weights of the right shapes (for speed tests and smoke tests, never for answers)."""
+    return build_weights(random_state(config, dtype, device, seed), config, dtype, device)

@@ -1,0 +1,137 @@
+"""Benchmark (4): query-with-image throughput through a real tritonserver, over gRPC streams.
+
+    python benchmarks/triton_bench.py [--concurrency 1 4 16 64] [--max-tokens 64] [--out results.json]
+    python benchmarks/triton_bench.py --checkpoint tests/fixtures/md2-tiny --concurrency 1 2  (CPU smoke run)
+
+Writes a FULL-SIZE Moondream 2 checkpoint of random bf16 weights (with the fixture's tokenizer) to a
+temporary folder, starts tritonserver on model_repository/ with it (kestrel_backend.triton.local_server),
+and sends streaming queries (a 640x480 JPEG, greedy, max_tokens output tokens) from one thread per
+concurrent request, each on its own gRPC stream as client.MoondreamClient does. TTFT is measured at the
+client: from sending the request to its first streamed chunk. Output tokens come from the final body's
+metrics. Prints a table and writes JSON. Needs a GPU (or patience) and the nvidia-pytriton wheel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from client import MoondreamClient  # noqa: E402
+from kestrel_backend.config import TINY_CHECKPOINT  # noqa: E402
+from kestrel_backend.triton.local_server import server_command  # noqa: E402
+
+
+def write_checkpoint(folder: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from kestrel_backend.model.config import MoondreamConfig
+    from kestrel_backend.model.weights import random_state
+
+    save_file(random_state(MoondreamConfig(), dtype=torch.bfloat16), str(folder / "model.safetensors"))
+    shutil.copy(TINY_CHECKPOINT / "tokenizer.json", folder / "tokenizer.json")
+
+
+def start_server(checkpoint: Path, work: Path, max_batch: int, grpc_port: int, log) -> subprocess.Popen:
+    cmd, env = server_command(grpc_port - 1, grpc_port, grpc_port + 1, work=work)
+    env.update(KESTREL_MODEL_PATH=str(checkpoint), KESTREL_MAX_BATCH_SIZE=str(max_batch), KESTREL_MAX_QUEUE="4096")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_ready(url: str, server: subprocess.Popen, timeout: float) -> float:
+    import tritonclient.grpc as grpcclient
+
+    t0 = time.perf_counter()
+    client = grpcclient.InferenceServerClient(url)
+    while time.perf_counter() - t0 < timeout:
+        if server.poll() is not None:
+            raise SystemExit(f"tritonserver exited with {server.returncode} before the model was ready")
+        try:
+            if client.is_model_ready("moondream"):
+                return time.perf_counter() - t0
+        except Exception:  # not listening yet
+            pass
+        time.sleep(1)
+    raise SystemExit(f"the model was not ready within {timeout} s")
+
+
+def one_request(client: MoondreamClient, image: bytes, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    ttft = None
+    for body in client.stream("query", image=image, question="Describe this image.",
+                              settings={"temperature": 0, "max_tokens": max_tokens}):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        if body.get("completed"):
+            return {"ttft_ms": ttft * 1000, "latency_ms": (time.perf_counter() - t0) * 1000,
+                    "output_tokens": body["metrics"]["output_tokens"]}
+    raise RuntimeError("the stream ended without a final body")
+
+
+def level(client: MoondreamClient, images: list[bytes], concurrency: int, requests: int, max_tokens: int) -> dict:
+    with ThreadPoolExecutor(concurrency) as pool:
+        t0 = time.perf_counter()
+        out = list(pool.map(lambda i: one_request(client, images[i % len(images)], max_tokens), range(requests)))
+        wall = time.perf_counter() - t0
+    ttft = sorted(r["ttft_ms"] for r in out)
+    return {"concurrency": concurrency, "requests": requests, "req_per_s": requests / wall,
+            "output_tok_per_s": sum(r["output_tokens"] for r in out) / wall,
+            "ttft_p50_ms": ttft[len(ttft) // 2], "ttft_p95_ms": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--grpc-port", type=int, default=8101)
+    p.add_argument("--ready-timeout", type=float, default=600)
+    p.add_argument("--checkpoint", type=Path, help="serve this checkpoint instead of random full-size weights")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--log", type=Path, help="tritonserver's output (default: a temporary file)")
+    args = p.parse_args()
+    import pyvips
+
+    rng = np.random.default_rng(0)
+    images = [pyvips.Image.new_from_array(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).jpegsave_buffer()
+              for _ in range(8)]
+    url = f"localhost:{args.grpc_port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        checkpoint = args.checkpoint or folder / "checkpoint"
+        if not args.checkpoint:
+            checkpoint.mkdir()
+            write_checkpoint(checkpoint)
+        log_path = args.log or folder / "tritonserver.log"
+        with open(log_path, "w") as log:
+            server = start_server(checkpoint, folder / "runtime", max(args.concurrency), args.grpc_port, log)
+            try:
+                ready_s = wait_ready(url, server, args.ready_timeout)
+                print(f"model ready after {ready_s:.1f} s", flush=True)
+                client = MoondreamClient(url)
+                biggest = max(args.concurrency)
+                level(client, images, biggest, biggest, args.max_tokens)  # warm-up: kernels, graphs, image cache
+                rows = [level(client, images, c, 2 * c, args.max_tokens) for c in args.concurrency]
+            finally:
+                server.terminate()
+                server.wait(60)
+    print("| concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms |\n| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['concurrency']} | {r['requests']} | {r['req_per_s']:.1f} | {r['output_tok_per_s']:.0f} | "
+              f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} |")
+    if args.out:
+        args.out.write_text(json.dumps({"ready_s": ready_s, "max_tokens": args.max_tokens, "levels": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
