@@ -328,12 +328,17 @@ def e2e_bench(model: Moondream, concurrencies, max_tokens: int) -> list[dict]:
                                        settings={"temperature": 0, "max_tokens": max_tokens})
                 return time.perf_counter() - t0, r
 
-            async def run(n):
-                return await asyncio.gather(*[one(i) for i in range(n)])
+            async def run(n, limit):  # n requests, at most `limit` in flight: a new one as one ends
+                slots = asyncio.Semaphore(limit)
 
-            asyncio.run(run(min(conc, 4)))  # warm-up (and the image cache)
+                async def limited(i):
+                    async with slots:
+                        return await one(i)
+                return await asyncio.gather(*[limited(i) for i in range(n)])
+
+            asyncio.run(run(min(conc, 4), conc))  # warm-up (and the image cache)
             t0 = time.perf_counter()
-            out = asyncio.run(run(conc * 2))
+            out = asyncio.run(run(conc * 2, conc))
             wall = time.perf_counter() - t0
             phases = {k: round(v, 3) for k, v in engine.stats()["step_phase_seconds"].items()}
             print(f"concurrency {conc}: wall {wall:.3f} s, engine seconds by phase {phases}, steps {engine.stats()['steps']}",
