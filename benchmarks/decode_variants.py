@@ -1,8 +1,9 @@
 """A/B of decode-step variants for one or two sequences (GPU only): the attention split over the
 context or one program per sequence and head; with programmatic dependent launch or without; the
-attention as a kernel of its own or inside the norm + qkv/fc1 kernel (one kernel); or, with --tiles,
-the GEMV tiles of one sequence around the defaults (the sweep behind them). The variants' CUDA
-graphs are replayed in interleaved rounds, so clock drift hits them alike (separate runs differ by 5 to 10%).
+attention as a kernel of its own or inside the norm + qkv/fc1 kernel (one kernel), with its context
+splits and cached positions per block; or, with --tiles, the GEMV tiles of one sequence around the
+defaults (the sweep behind them). The variants' CUDA graphs are replayed in interleaved rounds, so
+clock drift hits them alike (separate runs differ by 5 to 10%).
 
     python benchmarks/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20] [--tiles]
 """
@@ -58,12 +59,15 @@ def main() -> None:
     args = p.parse_args()
     config = MoondreamConfig()
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
-    variants = {"1 split": (1, True, False, {}), "split": (None, True, False, {}),
-                "1 split, no PDL": (1, False, False, {}), "split, no PDL": (None, False, False, {}),
-                "one kernel, 1 split": (1, True, True, {})}
-    variants.update({f"one kernel, {s} splits": (s, True, True, {}) for s in (4, 8, 16)})
+    kv_block = dk.ONE_KERNEL_KV_BLOCK
+    variants = {"1 split": (1, True, False, {}, kv_block), "split": (None, True, False, {}, kv_block),
+                "1 split, no PDL": (1, False, False, {}, kv_block), "split, no PDL": (None, False, False, {}, kv_block),
+                "one kernel, 1 split": (1, True, True, {}, kv_block)}
+    variants.update({f"one kernel, {s} splits": (s, True, True, {}, kv_block) for s in (4, 8, 16)})
+    variants.update({f"one kernel, {s} splits, KV block {kv}": (s, True, True, {}, kv)
+                     for s, kv in ((4, 128), (8, 128), (16, 32)) if kv != kv_block})
     if args.tiles:  # GEMV tiles of one sequence: (columns, K chunk, warps) per program
-        variants = {name: ("as the engine", True, True, tiles) for name, tiles in TILE_VARIANTS.items()}
+        variants = {name: ("as the engine", True, True, tiles, kv_block) for name, tiles in TILE_VARIANTS.items()}
     for context in (int(c) for c in args.contexts.split(",")):
         cache = PagedKVCache(config.text, args.batch * (context // 16 + 1), 16, "cuda", torch.bfloat16)
         for i in range(args.batch):
@@ -75,16 +79,18 @@ def main() -> None:
         logits = torch.empty(args.batch, config.text.vocab_size, device="cuda")
         graphs = {}
         with torch.inference_mode():
-            for name, (splits, pdl, one_kernel, tiles) in variants.items():
+            for name, (splits, pdl, one_kernel, tiles, kv) in variants.items():
                 if splits == "as the engine":
                     splits = 1 if context < cuda_decode.LONG_CONTEXT else None
                 dk.PDL_ENABLED = pdl  # read at launch, so while capturing
                 cuda_decode.ATTENTION_IN_NORM_LINEAR = one_kernel
                 dk._tiles = _with_tiles(tiles)
+                dk.ONE_KERNEL_KV_BLOCK = kv
                 graphs[name] = captured(lambda: fused_decode_step(model, x, cache, inputs.rows(args.batch), logits,
                                                                   splits), warmups=2)
             dk.PDL_ENABLED = cuda_decode.ATTENTION_IN_NORM_LINEAR = True
             dk._tiles = DEFAULT_TILES
+            dk.ONE_KERNEL_KV_BLOCK = kv_block
             times = {name: [] for name in variants}
             for _ in range(args.rounds):
                 for name, graph in graphs.items():

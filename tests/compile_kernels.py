@@ -76,6 +76,7 @@ def launch_everything() -> None:
                 if m == 1:
                     dk.norm_linear_attention(x, ln, ln, wq, bq, wf, bf, cos, cos, cache, cache, tables, lens, lens,
                                              page, torch.zeros(2 * h, dtype=torch.int32), splits)
+            dk.greedy_tokens(torch.zeros(m, dtype=torch.int64), host_out=torch.zeros(m, dtype=torch.int32))
             dk.embed_rows(torch.zeros(m, dtype=torch.int32), torch.zeros(16, cfg.dim, **f), x,
                           torch.zeros(m, dtype=torch.int32))
             rope_qk_inplace(torch.zeros(m, 3 * cfg.dim, **f), cos, cos, 2 * h, d)  # (prefill)

@@ -45,7 +45,8 @@ def test_norm_linear_matches_layer_norm_then_linear(m):
     best = torch.full((m,), torch.iinfo(torch.int64).min)
     dk.norm_linear(x, ln_w, ln_b, w1, b1, out1=logits, banned=banned, best=best)
     assert logits[0, 100] == logits[0, 5] == float("-inf")
-    assert dk.greedy_tokens(best).tolist() == [300] + [100] * (m - 1)
+    host = torch.full((m,), -1, dtype=torch.int32)  # (on a GPU: pinned host memory the kernel writes into)
+    assert dk.greedy_tokens(best, host_out=host).tolist() == host.tolist() == [300] + [100] * (m - 1)
 
 
 @pytest.mark.parametrize("m", [1, 33])
@@ -184,13 +185,14 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs, spl
     inputs = StepTensors(tables, (positions + 1).int(), slots.int(), model.rope[positions, :, 0].contiguous(),
                          model.rope[positions, :, 1].contiguous(), banned)
     logits, greedy = torch.empty(n_seqs, 512), torch.full((n_seqs,), -7, dtype=torch.int32)
-    hidden = fused_decode_step(model, x, cache, inputs, logits, splits, greedy)
+    greedy_host = torch.full((n_seqs,), -7, dtype=torch.int32)
+    hidden = fused_decode_step(model, x, cache, inputs, logits, splits, greedy, greedy_host)
     if n_seqs <= dk.GEMV_MAX_ROWS:
         assert logits[0, banned[0, 1]] == float("-inf")
         logits_ref[0, banned[0, 1]] = float("-inf")
-        assert greedy.tolist() == logits_ref.argmax(-1).tolist()
+        assert greedy.tolist() == greedy_host.tolist() == logits_ref.argmax(-1).tolist()
     else:
-        assert greedy.tolist() == [-7] * n_seqs  # (the scheduler chooses from the logits)
+        assert greedy.tolist() == greedy_host.tolist() == [-7] * n_seqs  # (the scheduler chooses from the logits)
     kept = torch.isfinite(logits_ref)
     assert rel_err(hidden, hidden_ref) < 1e-5 and rel_err(logits[kept], logits_ref[kept]) < 1e-5
     assert torch.equal(logits.argmax(-1), logits_ref.argmax(-1))

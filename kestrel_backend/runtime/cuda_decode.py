@@ -28,10 +28,11 @@ ONE_KERNEL_SPLITS = 8  # its context splits for long contexts (H100, interleaved
 
 def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, inputs: "StepTensors",
                       logits_out: torch.Tensor, context_splits: int | None = None,
-                      greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+                      greedy_out: torch.Tensor | None = None, greedy_host: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step (one new token per sequence) with the fused kernels, then the final norm and LM
     head. Writes float32 logits into logits_out; returns the hidden states. With greedy_out, in the GEMV
-    form the LM head also bans each row's inputs.banned tokens and writes its greedy token there.
+    form the LM head also bans each row's inputs.banned tokens and writes its greedy token there (and
+    into greedy_host, pinned host memory, if given).
 
     Up to GEMV_MAX_ROWS sequences every weight is streamed by our kernels (for one sequence the
     attention runs inside the norm + qkv/fc1 kernel); past that, the norm + qkv/fc1 and the LM head go
@@ -65,7 +66,7 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
         norm_linear(x, w.post_ln.weight, w.post_ln.bias, w.lm_head.weight, w.lm_head.bias, out1=logits_out,
                     banned=inputs.banned, best=best)
         if best is not None:
-            greedy_tokens(best, out=greedy_out)
+            greedy_tokens(best, out=greedy_out, host_out=greedy_host)
     else:
         logits_out.copy_(model.logits(x))
     return x
@@ -170,23 +171,23 @@ class StepInputs:
 
 
 class HostTokens:
-    """Token ids copied from the GPU into pinned memory after one step: tolist() waits for that copy
-    only, not for steps launched after it."""
+    """Token ids that a step's last kernel writes into pinned host memory (`pinned`): tolist() waits for
+    that step only, not for steps launched after it."""
 
     def __init__(self, n: int):
-        self._pinned = torch.zeros(n, dtype=torch.int32, pin_memory=True)
-        self._copied = torch.cuda.Event()
+        self.pinned = torch.zeros(n, dtype=torch.int32, pin_memory=True)
+        self._written = torch.cuda.Event()
         self._n = 0
 
-    def copy_from(self, tokens: torch.Tensor) -> "HostTokens":
-        self._n = len(tokens)
-        self._pinned[:self._n].copy_(tokens, non_blocking=True)
-        self._copied.record()
+    def after_step(self, n: int) -> "HostTokens":
+        """Mark the step just launched as the one whose first n tokens tolist() returns."""
+        self._n = n
+        self._written.record()
         return self
 
     def tolist(self) -> list[int]:
-        self._copied.synchronize()
-        return self._pinned[:self._n].tolist()
+        self._written.synchronize()
+        return self.pinned[:self._n].tolist()
 
 
 LONG_CONTEXT = 128  # from here splitting the attention over the context pays (H100, one sequence, interleaved
@@ -197,7 +198,8 @@ class CudaGraphDecoder:
     """Decode steps for up to max_batch sequences, captured once per batch-size bucket and replayed.
     Buckets of the GEMV form get two graphs: for short contexts the attention is one program per
     sequence and head; for long ones it is split over the context. They also come in two parities that
-    alternate from step to step (inputs from pinned buffer p, greedy tokens into greedy[p]): a step can
+    alternate from step to step (inputs from pinned buffer p, greedy tokens into greedy[p] and pinned
+    host buffer p): a step can
     then be launched while the one before is still running, taking that step's tokens as its inputs
     on the GPU (FED_BACK) before the host has read them."""
 
@@ -223,7 +225,7 @@ class CudaGraphDecoder:
         x = embed_rows(self.inputs.tokens(b), self.model.weights.text.wte, self.given[:b], previous)
         splits = 1 if b <= GEMV_MAX_ROWS and not long_context else None
         self.hidden[:b] = fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,
-                                            self.greedy[parity, :b])
+                                            self.greedy[parity, :b], self._greedy_host[parity].pinned[:b])
 
     def _graph(self, b: int, long_context: bool, parity: int) -> torch.cuda.CUDAGraph:
         if (b, long_context, parity) not in self.graphs:
@@ -286,7 +288,7 @@ class CudaGraphDecoder:
         if bucket <= GEMV_MAX_ROWS:
             self._parity = parity
             if fits:
-                greedy = self._greedy_host[parity].copy_from(self.greedy[parity, :n])
+                greedy = self._greedy_host[parity].after_step(n)
         return self.logits[:n], self.hidden[:n], greedy
 
     def prepare(self, seq_ids: list[int], positions: list[int]) -> None:
