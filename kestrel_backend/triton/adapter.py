@@ -1,26 +1,24 @@
-"""What TritonPythonModel delegates to: requests in on Triton's thread, responses out from the engine loop.
+"""What TritonPythonModel delegates to: requests in on Triton's thread, served on the engine loop.
 
 execute() only parses and submits (asyncio.run_coroutine_threadsafe); each request is then served
-by a coroutine on the engine loop that sends through that request's response sender. Every
+by a coroutine on the engine loop, whose responses go out through the Outbox's thread. Every
 request ends with exactly one TRITONSERVER_RESPONSE_COMPLETE_FINAL flag.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 import time
 import uuid
 
-import numpy as np
-
 from ..config import RuntimeConfig
 from ..engine import InferenceEngine
 from ..errors import EngineOverloaded, InvalidRequest, RequestCancelled
 from .metrics import TritonMetrics
+from .outbox import Outbox, Outgoing
 from .protocol import WireRequest, chunk_body, final_stream_body, parse_request, result_body
 
 log = logging.getLogger("kestrel.triton")
@@ -30,10 +28,10 @@ WATCH_INTERVAL_S = 0.05
 class TritonAdapter:
     def __init__(self, model_config: dict, pb):
         self.pb = pb
-        self.final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         self.engine = InferenceEngine.create(RuntimeConfig.from_sources(os.environ, params))
         self.metrics = TritonMetrics(pb)
+        self.outbox = Outbox(pb)
         self._inflight: dict[asyncio.Task, object] = {}
         self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.engine.loop)
 
@@ -57,6 +55,7 @@ class TritonAdapter:
     def shutdown(self) -> None:
         self._watcher.cancel()
         self.engine.shutdown()
+        self.outbox.close()  # after the engine: the errors it ends in-flight requests with go out too
 
     # --- engine loop ---
     async def _serve(self, request_id: str, wire: WireRequest, sender) -> None:
@@ -131,18 +130,13 @@ class TritonAdapter:
                      self.engine.scheduler.consecutive_failures)
         os.kill(os.getppid(), signal.SIGTERM)
 
-    # --- sending ---
+    # --- sending (queued: the outbox's thread sends) ---
     def _send(self, sender, body: dict, final: bool) -> None:
-        out = self.pb.Tensor("TEXT_OUTPUT", np.array([json.dumps(body, ensure_ascii=False).encode()], dtype=np.object_))
-        sender.send(self.pb.InferenceResponse(output_tensors=[out]), flags=self.final if final else 0)
+        self.outbox.put(Outgoing(sender, body, final))
 
     def _send_error(self, sender, message: str, unavailable: bool = False) -> None:
         TE = self.pb.TritonError
-        error = TE(message, TE.UNAVAILABLE) if unavailable else TE(message)
-        sender.send(self.pb.InferenceResponse(output_tensors=[], error=error), flags=self.final)
+        self.outbox.put(Outgoing(sender, final=True, error=TE(message, TE.UNAVAILABLE) if unavailable else TE(message)))
 
     def _send_final_flag(self, sender) -> None:
-        try:
-            sender.send(flags=self.final)
-        except Exception:  # the client is gone; nothing else to do
-            pass
+        self.outbox.put(Outgoing(sender, final=True))
