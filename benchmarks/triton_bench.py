@@ -5,28 +5,33 @@
 
 Writes a FULL-SIZE Moondream 2 checkpoint of random bf16 weights (with the fixture's tokenizer) to a
 temporary folder, starts tritonserver on model_repository/ with it (kestrel_backend.triton.local_server),
-and sends streaming queries (a 640x480 JPEG, greedy, max_tokens output tokens) from one thread per
-concurrent request, each on its own gRPC stream as client.MoondreamClient does. TTFT is measured at the
+and sends streaming queries (a 640x480 JPEG, greedy, max_tokens output tokens), each on its own gRPC
+stream (ModelStreamInfer, what async_stream_infer uses) over one channel, from one asyncio client
+(tritonclient.grpc.aio): a client of threads measured itself at 64 streams. TTFT is measured at the
 client: from sending the request to its first streamed chunk. Output tokens come from the final body's
-metrics. Prints a table and writes JSON. Needs a GPU (or patience) and the nvidia-pytriton wheel.
+metrics. The server's side comes from its metrics endpoint, averaged over the level's requests: the
+engine's time to first token (from the request reaching the engine) and Triton's queue and input
+times. Prints a table and writes JSON. Needs a GPU (or patience) and the nvidia-pytriton wheel.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from client import MoondreamClient  # noqa: E402
+from client import build_inputs  # noqa: E402
 from kestrel_backend.config import TINY_CHECKPOINT  # noqa: E402
 from kestrel_backend.triton.local_server import server_command  # noqa: E402
 
@@ -65,24 +70,69 @@ def wait_ready(url: str, server: subprocess.Popen, timeout: float) -> float:
     raise SystemExit(f"the model was not ready within {timeout} s")
 
 
-def one_request(client: MoondreamClient, image: bytes, max_tokens: int) -> dict:
+SERVER_SUMS = {"kestrel_time_to_first_token_seconds_sum": "engine_ttft_s", "kestrel_time_to_first_token_seconds_count":
+               "engine_ttft_count", "nv_inference_queue_duration_us": "triton_queue_us",
+               "nv_inference_compute_input_duration_us": "triton_input_us", "nv_inference_request_success": "requests"}
+
+
+def server_sums(metrics_url: str) -> dict[str, float]:
+    """The metrics above, summed over their labels."""
+    sums = dict.fromkeys(SERVER_SUMS.values(), 0.0)
+    for line in urllib.request.urlopen(metrics_url, timeout=10).read().decode().splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in SERVER_SUMS:
+            sums[SERVER_SUMS[name]] += float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+def server_means(before: dict, after: dict) -> dict:
+    d = {k: after[k] - before[k] for k in before}
+    n = max(d["requests"], 1)
+    return {"engine_ttft_mean_ms": 1000 * d["engine_ttft_s"] / max(d["engine_ttft_count"], 1),
+            "triton_queue_mean_ms": d["triton_queue_us"] / n / 1000,
+            "triton_input_mean_ms": d["triton_input_us"] / n / 1000}
+
+
+async def one_request(client, image: bytes, max_tokens: int) -> dict:
+    async def request():
+        yield {"model_name": "moondream", "request_id": uuid.uuid4().hex, "inputs": build_inputs(
+            "query", image=image, question="Describe this image.", stream=True,
+            settings={"temperature": 0, "max_tokens": max_tokens})}
+
     t0 = time.perf_counter()
     ttft = None
-    for body in client.stream("query", image=image, question="Describe this image.",
-                              settings={"temperature": 0, "max_tokens": max_tokens}):
-        if ttft is None:
-            ttft = time.perf_counter() - t0
-        if body.get("completed"):
-            return {"ttft_ms": ttft * 1000, "latency_ms": (time.perf_counter() - t0) * 1000,
-                    "output_tokens": body["metrics"]["output_tokens"]}
+    responses = client.stream_infer(request())
+    try:
+        async for result, error in responses:
+            if error is not None:
+                raise RuntimeError(f"the server answered with an error: {error}")
+            body = json.loads(result.as_numpy("TEXT_OUTPUT").reshape(-1)[0])
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            if body.get("completed"):
+                return {"ttft_ms": ttft * 1000, "latency_ms": (time.perf_counter() - t0) * 1000,
+                        "output_tokens": body["metrics"]["output_tokens"]}
+    finally:
+        responses.cancel()
     raise RuntimeError("the stream ended without a final body")
 
 
-def level(client: MoondreamClient, images: list[bytes], concurrency: int, requests: int, max_tokens: int) -> dict:
-    with ThreadPoolExecutor(concurrency) as pool:
+async def level(url: str, images: list[bytes], concurrency: int, requests: int, max_tokens: int) -> dict:
+    """`requests` queries, `concurrency` of them in flight: a new one as one ends."""
+    import tritonclient.grpc.aio as grpcaio
+
+    client = grpcaio.InferenceServerClient(url)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def limited(i):
+        async with slots:
+            return await one_request(client, images[i % len(images)], max_tokens)
+    try:
         t0 = time.perf_counter()
-        out = list(pool.map(lambda i: one_request(client, images[i % len(images)], max_tokens), range(requests)))
+        out = await asyncio.gather(*[limited(i) for i in range(requests)])
         wall = time.perf_counter() - t0
+    finally:
+        await client.close()
     ttft = sorted(r["ttft_ms"] for r in out)
     return {"concurrency": concurrency, "requests": requests, "req_per_s": requests / wall,
             "output_tok_per_s": sum(r["output_tokens"] for r in out) / wall,
@@ -117,17 +167,24 @@ def main() -> int:
             try:
                 ready_s = wait_ready(url, server, args.ready_timeout)
                 print(f"model ready after {ready_s:.1f} s", flush=True)
-                client = MoondreamClient(url)
                 biggest = max(args.concurrency)
-                level(client, images, biggest, biggest, args.max_tokens)  # warm-up: kernels, graphs, image cache
-                rows = [level(client, images, c, 2 * c, args.max_tokens) for c in args.concurrency]
+                asyncio.run(level(url, images, biggest, biggest, args.max_tokens))  # warm-up: graphs, image cache
+                metrics_url = f"http://localhost:{args.grpc_port + 1}/metrics"
+                rows = []
+                for c in args.concurrency:
+                    before = server_sums(metrics_url)
+                    rows.append(asyncio.run(level(url, images, c, 2 * c, args.max_tokens)))
+                    time.sleep(1.5)  # (Triton refreshes its metrics about every second)
+                    rows[-1].update(server_means(before, server_sums(metrics_url)))
             finally:
                 server.terminate()
                 server.wait(60)
-    print("| concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms |\n| --- | --- | --- | --- | --- | --- |")
+    print("| concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | server: engine TTFT ms | "
+          "Triton queue ms | Triton input ms |\n" + "| --- " * 9 + "|")
     for r in rows:
         print(f"| {r['concurrency']} | {r['requests']} | {r['req_per_s']:.1f} | {r['output_tok_per_s']:.0f} | "
-              f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} |")
+              f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | {r['engine_ttft_mean_ms']:.0f} | "
+              f"{r['triton_queue_mean_ms']:.1f} | {r['triton_input_mean_ms']:.1f} |")
     if args.out:
         args.out.write_text(json.dumps({"ready_s": ready_s, "max_tokens": args.max_tokens, "levels": rows}, indent=1))
     return 0
