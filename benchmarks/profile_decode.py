@@ -2,8 +2,9 @@
 
     python benchmarks/profile_decode.py [--batch 1] [--context 800]
 
-Prints the step's time, the kernels inside the replayed graph with their GPU time, and what is left
-between them (launch gaps, ramp-up and tails of short kernels).
+Prints the step's time, what a boundary between CUDA graphs costs (the step's graph replayed back to
+back, alone and with 2 or 8 steps in one graph), the kernels inside the replayed graph with their GPU
+time, and what is left between them (launch gaps, ramp-up and tails of short kernels).
 """
 
 import argparse
@@ -16,12 +17,26 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import timed  # noqa: E402
+from benchmarks.gpu_bench import captured, steps_launched_ahead, timed  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
+
+
+def graph_boundaries(decoder: CudaGraphDecoder, graph, batch: int, context: int) -> None:
+    """The step's graph replayed 20 times back to back, against graphs of 2 and 8 steps (the same kernels
+    captured again): the difference per step is what a boundary between graphs costs."""
+    b, long_context, parity = next(iter(decoder.graphs))  # the captured step's bucket and variant
+    graphs = {1: graph, **{n: captured(lambda: decoder._step(b, long_context, parity), calls=n) for n in (2, 8)}}
+    times = {n: [] for n in graphs}
+    for _ in range(10):
+        for n, g in graphs.items():
+            times[n].append(timed(lambda: [g.replay() for _ in range(16 // n)], warmup=1, iters=3) / 16)
+    print("per step, back to back: " + ", ".join(f"{n} step(s) per graph {statistics.median(t):.4f} ms"
+                                                  for n, t in times.items()), flush=True)
+    print(f"launched ahead (as gpu_bench): {steps_launched_ahead(decoder, batch, context):.4f} ms", flush=True)
 
 
 def main() -> None:
@@ -55,6 +70,7 @@ def main() -> None:
             times[name].append(timed(fn, warmup=2, iters=10))
     for name, t in times.items():
         print(f"{name}: {statistics.median(t):.3f} ms", flush=True)
+    graph_boundaries(decoder, graph, args.batch, args.context)
     replay_ms, step_ms = statistics.median(times["graph replay alone"]), statistics.median(times["run()"])
     # host time of each part of a step: what the GPU waits for, except prepare (staged during the step before)
     moved = itertools.count()
