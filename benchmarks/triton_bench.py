@@ -100,21 +100,24 @@ async def one_request(client, image: bytes, max_tokens: int) -> dict:
             settings={"temperature": 0, "max_tokens": max_tokens})}
 
     t0 = time.perf_counter()
-    ttft = None
+    ttft = done = None
     responses = client.stream_infer(request())
     try:
-        async for result, error in responses:
+        async for result, error in responses:  # until the server ends the stream (after the final response)
             if error is not None:
                 raise RuntimeError(f"the server answered with an error: {error}")
             body = json.loads(result.as_numpy("TEXT_OUTPUT").reshape(-1)[0])
             if ttft is None:
                 ttft = time.perf_counter() - t0
             if body.get("completed"):
-                return {"ttft_ms": ttft * 1000, "latency_ms": (time.perf_counter() - t0) * 1000,
+                done = {"ttft_ms": ttft * 1000, "latency_ms": (time.perf_counter() - t0) * 1000,
                         "output_tokens": body["metrics"]["output_tokens"]}
-    finally:
+    except BaseException:
         responses.cancel()
-    raise RuntimeError("the stream ended without a final body")
+        raise
+    if done is None:
+        raise RuntimeError("the stream ended without a final body")
+    return done
 
 
 async def level(url: str, images: list[bytes], concurrency: int, requests: int, max_tokens: int) -> dict:

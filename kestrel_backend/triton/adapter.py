@@ -1,8 +1,11 @@
 """What TritonPythonModel delegates to: requests in on Triton's thread, served on the engine loop.
 
 execute() only parses and submits (asyncio.run_coroutine_threadsafe); each request is then served
-by a coroutine on the engine loop, whose responses go out through the Outbox's thread. Every
-request ends with exactly one TRITONSERVER_RESPONSE_COMPLETE_FINAL flag.
+by a coroutine on the engine loop. Every call into tritonserver (responses, metric updates, the
+cancellation checks) is a blocking round trip, so none is made on the engine loop: responses and
+metrics go out through the Outbox's thread, a watcher thread checks for cancelled requests. Both
+are daemon threads: a round trip that never returns (tritonserver stopping) cannot keep the model's
+process alive. Every request ends with exactly one TRITONSERVER_RESPONSE_COMPLETE_FINAL flag.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 
@@ -33,7 +37,8 @@ class TritonAdapter:
         self.metrics = TritonMetrics(pb)
         self.outbox = Outbox(pb)
         self._inflight: dict[asyncio.Task, object] = {}
-        self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.engine.loop)
+        self._stopping = threading.Event()
+        threading.Thread(target=self._watch, name="kestrel-watch", daemon=True).start()
 
     # --- Triton's thread ---
     def execute(self, requests) -> None:
@@ -44,7 +49,7 @@ class TritonAdapter:
                 wire = parse_request(lambda name: self._input(request, name))
             except InvalidRequest as e:
                 self._send_error(sender, str(e))
-                self.metrics.request_done("unknown", "invalid", 0.0)
+                self.outbox.call(self.metrics.request_done, "unknown", "invalid", 0.0)
                 continue
             asyncio.run_coroutine_threadsafe(self._serve(request_id, wire, sender), self.engine.loop)
 
@@ -53,7 +58,7 @@ class TritonAdapter:
         return None if tensor is None else tensor.as_numpy()
 
     def shutdown(self) -> None:
-        self._watcher.cancel()
+        self._stopping.set()
         self.engine.shutdown()
         self.outbox.close()  # after the engine: the errors it ends in-flight requests with go out too
 
@@ -84,7 +89,7 @@ class TritonAdapter:
         finally:
             self._inflight.pop(asyncio.current_task(), None)
             m = result.metrics if result else {}
-            self.metrics.request_done(wire.skill, outcome, time.perf_counter() - t0,
+            self.outbox.call(self.metrics.request_done, wire.skill, outcome, time.perf_counter() - t0,
                                       m["ttft_ms"] / 1000 if m else None, m.get("output_tokens", 0))
 
     async def _call(self, wire: WireRequest, stream: bool):
@@ -111,17 +116,17 @@ class TritonAdapter:
         self._send(sender, final_stream_body(request_id, result, remainder), final=True)
         return result
 
-    async def _watch(self) -> None:
+    # --- watcher thread ---
+    def _watch(self) -> None:
         """Cancel requests whose client went away; keep the engine gauges fresh; stop an unhealthy server."""
-        while True:
+        while not self._stopping.wait(WATCH_INTERVAL_S):
             for task, sender in list(self._inflight.items()):
                 if sender.is_cancelled():
-                    task.cancel()
-            self.metrics.engine_state(self.engine.stats())
+                    self.engine.loop.call_soon_threadsafe(task.cancel)
+            self.outbox.call(self.metrics.engine_state, self.engine.stats())
             if not self.engine.healthy:
                 self._stop_server()
                 return
-            await asyncio.sleep(WATCH_INTERVAL_S)
 
     def _stop_server(self) -> None:
         """The engine cannot serve (device unusable): ask tritonserver (our parent) to shut down. Readiness

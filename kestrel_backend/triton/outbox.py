@@ -1,19 +1,22 @@
-"""Responses leave through one thread of their own, not from the engine loop.
+"""Responses and metric updates leave through one thread of their own, not from the engine loop.
 
-A response sender's send() is a blocking round trip to tritonserver. On the engine loop, one send per
-streamed token per request held up every decode step (at 64 streaming requests, the H100 made half the
-tokens through tritonserver that it made in-process). Here the loop only queues; the thread sends, in
-order per request. Chunks of one request that are still queued when the thread gets to them go out as
-one response: a slow link costs fewer, larger chunks instead of delaying everyone's next token.
+A response sender's send() is a blocking round trip to tritonserver, and so is a metric update. On the
+engine loop, one send per streamed token per request held up every decode step (at 64 streaming
+requests, the H100 made half the tokens through tritonserver that it made in-process). Here the loop
+only queues; the thread sends, in order per request. Chunks of one request that are still queued when
+the thread gets to them go out as one response: a slow link costs fewer, larger chunks instead of
+delaying everyone's next token. Metric updates (`call`) run after the responses queued with them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -51,15 +54,22 @@ class Outbox:
     def __init__(self, pb):
         self.pb = pb
         self.final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        self._queue: queue.SimpleQueue[Outgoing | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Outgoing | Callable | None] = queue.SimpleQueue()
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="kestrel-outbox", daemon=True)
         self._thread.start()
 
     def put(self, item: Outgoing) -> None:
         self._queue.put(item)
 
+    def call(self, fn: Callable, *args) -> None:
+        """Run fn(*args) on the outbox's thread (a metric update)."""
+        self._queue.put(functools.partial(fn, *args))
+
     def close(self, timeout: float = 10.0) -> None:
-        """Send what is queued, then stop the thread."""
+        """Send the responses still queued, then stop the thread. Metric updates are dropped from here on:
+        the model is being unloaded, and a round trip that tritonserver no longer answers would hang."""
+        self._closing = True
         self._queue.put(None)
         self._thread.join(timeout)
 
@@ -68,10 +78,14 @@ class Outbox:
             items = [self._queue.get()]
             while not self._queue.empty():  # whatever else is waiting: merged and sent in one go
                 items.append(self._queue.get())
-            stop = None in items
-            for item in merged([i for i in items if i is not None]):
+            for item in merged([i for i in items if isinstance(i, Outgoing)]):
                 self._send(item)
-            if stop:
+            for call in (i for i in items if callable(i) and not self._closing):
+                try:
+                    call()
+                except Exception:  # a metric update that failed must not stop the responses
+                    log.warning("a metric update failed", exc_info=True)
+            if any(i is None for i in items):
                 return
 
     def _send(self, item: Outgoing) -> None:
