@@ -11,7 +11,7 @@ import pytest
 
 from client import AsyncMoondreamClient, MoondreamError
 from conftest import TritonProcess
-from test_triton_server import metric
+from test_triton_server import idle_metrics, metric
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +57,7 @@ def test_load_with_cancellations_and_overflow(small_server, tiny_dir):
     assert "overloaded" in outcomes and "done" in outcomes and "cancelled" in outcomes
     # memory: after the first round (allocator warm-up) RSS stays within 64 MiB
     assert max(rss[1:]) - rss[1] < 64 << 20, [r >> 20 for r in rss]
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        text = urllib.request.urlopen(small_server["metrics"]).read().decode()
-        if metric(text, "kestrel_engine_state", state="kv_pages_used") == 0 and metric(text, "kestrel_engine_state", state="running") == 0:
-            break
-        time.sleep(0.2)
+    text = idle_metrics(small_server)
     assert metric(text, "kestrel_engine_state", state="kv_pages_used") == 0
     assert metric(text, "kestrel_requests_total", outcome="overloaded") >= 1
     assert urllib.request.urlopen(small_server["http"] + "/v2/health/ready").status == 200

@@ -199,9 +199,8 @@ class CudaGraphDecoder:
     Buckets of the GEMV form get two graphs: for short contexts the attention is one program per
     sequence and head; for long ones it is split over the context. They also come in two parities that
     alternate from step to step (inputs from pinned buffer p, greedy tokens into greedy[p] and pinned
-    host buffer p): a step can
-    then be launched while the one before is still running, taking that step's tokens as its inputs
-    on the GPU (FED_BACK) before the host has read them."""
+    host buffer p): a step can then be launched while the one before is still running, taking that
+    step's tokens as its inputs on the GPU (FED_BACK) before the host has read them."""
 
     def __init__(self, model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int):
         self.model, self.cache = model, cache

@@ -618,9 +618,9 @@ def norm_linear_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, fc1_weigh
     _norm_linear_attention_kernel[grid](
         x, x.stride(0), ln_weight, ln_bias, qkv_weight, qkv_bias, qkv, fc1_weight, fc1_bias, out2, m, LN_EPS, cos, sin,
         k_cache, v_cache, block_tables, block_tables.stride(0), seq_lens, slots, out, part_ml, part_acc, sync,
-        dim ** -0.5, K=k, N1=n1, N2=n2, H=n_heads, D=dim, HALF=half, PAGE=page_size, KV_BLOCK=ONE_KERNEL_KV_BLOCK, SPLITS=splits,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=_stats_chunk(k, block_m), num_warps=warps,
-        num_stages=stages, **_pdl(x.device, m))
+        dim ** -0.5, K=k, N1=n1, N2=n2, H=n_heads, D=dim, HALF=half, PAGE=page_size, KV_BLOCK=ONE_KERNEL_KV_BLOCK,
+        SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=_stats_chunk(k, block_m),
+        num_warps=warps, num_stages=stages, **_pdl(x.device, m))
     return out, out2
 
 
