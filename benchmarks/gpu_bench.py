@@ -93,6 +93,20 @@ def steps_launched_ahead(decoder: CudaGraphDecoder, bsz: int, context: int, n: i
     return (time.perf_counter() - t0) / n * 1000
 
 
+def engine_step(decoder: CudaGraphDecoder, bsz: int, context: int):
+    """A decode step of bsz sequences as the scheduler runs it: positions move on (context to context + 7),
+    the next step is staged during this one; the step returns the greedy tokens (one or two sequences: chosen
+    in the step) or the logits' argmax."""
+    ids, tokens, steps = list(range(bsz)), [11] * bsz, itertools.count()
+
+    def step():
+        positions = [context + next(steps) % 8] * bsz
+        logits, _, greedy = decoder.run(tokens, ids, positions, [()] * bsz)
+        decoder.prepare(ids, [p + 1 for p in positions])
+        return logits.argmax(-1) if greedy is None else greedy
+    return step
+
+
 def ceilings() -> dict:
     n = 1 << 30  # 1 GiB
     src, dst = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16), torch.empty(n // 2, device="cuda", dtype=torch.bfloat16)
@@ -126,13 +140,7 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
         x = torch.randn(bsz, cfg.dim, device="cuda", dtype=torch.bfloat16)
         if backend.startswith("graph"):
             decoder = CudaGraphDecoder(model, cache, bsz, context + 9)
-            ids, tokens, steps = list(range(bsz)), [11] * bsz, itertools.count()
-
-            def step():  # as the scheduler runs it: positions move on, the next step is staged during this one
-                positions = [context + next(steps) % 8] * bsz
-                logits, _, greedy = decoder.run(tokens, ids, positions, [()] * bsz)
-                decoder.prepare(ids, [p + 1 for p in positions])
-                return logits.argmax(-1) if greedy is None else greedy  # (one or two sequences: chosen in the step)
+            step = engine_step(decoder, bsz, context)
         else:
             attention = TorchPagedAttention(cache)
             pos = torch.full((1,), context, device="cuda")
@@ -311,43 +319,52 @@ def vision_bench(model: Moondream, rate: float, compiled: bool = False, n: int =
             "floor_ms_per_crop": floor / n, "ratio": ms / floor}
 
 
-def e2e_bench(model: Moondream, concurrencies, max_tokens: int) -> list[dict]:
-    rng = np.random.default_rng(0)
+def query_images(n: int = 8) -> list[bytes]:
+    """The end-to-end benchmarks' images: n random 640x480 JPEGs."""
     import pyvips
 
-    images = [pyvips.Image.new_from_array(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).jpegsave_buffer()
-              for _ in range(8)]
+    rng = np.random.default_rng(0)
+    return [pyvips.Image.new_from_array(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).jpegsave_buffer()
+            for _ in range(n)]
+
+
+async def gather_limited(fn, n: int, limit: int) -> list:
+    """fn(0), ..., fn(n - 1), at most `limit` in flight: a new one starts as one ends."""
+    slots = asyncio.Semaphore(limit)
+
+    async def limited(i):
+        async with slots:
+            return await fn(i)
+    return await asyncio.gather(*[limited(i) for i in range(n)])
+
+
+def throughput_row(concurrency: int, wall_s: float, ttfts_ms: list[float], output_tokens: int) -> dict:
+    ttft = sorted(ttfts_ms)
+    return {"concurrency": concurrency, "requests": len(ttft), "req_per_s": len(ttft) / wall_s,
+            "output_tok_per_s": output_tokens / wall_s, "ttft_p50_ms": ttft[len(ttft) // 2],
+            "ttft_p95_ms": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))]}
+
+
+def e2e_bench(model: Moondream, concurrencies, max_tokens: int) -> list[dict]:
+    images = query_images()
     rows = []
     for conc in concurrencies:
         engine = InferenceEngine(RuntimeConfig(device="cuda", dtype="bfloat16", max_batch_size=max(concurrencies),
                                                max_queue=4096), model)
         try:
-            async def one(i):
-                t0 = time.perf_counter()
-                r = await engine.query(images[i % len(images)], "Describe this image.",
-                                       settings={"temperature": 0, "max_tokens": max_tokens})
-                return time.perf_counter() - t0, r
+            def one(i):
+                return engine.query(images[i % len(images)], "Describe this image.",
+                                    settings={"temperature": 0, "max_tokens": max_tokens})
 
-            async def run(n, limit):  # n requests, at most `limit` in flight: a new one as one ends
-                slots = asyncio.Semaphore(limit)
-
-                async def limited(i):
-                    async with slots:
-                        return await one(i)
-                return await asyncio.gather(*[limited(i) for i in range(n)])
-
-            asyncio.run(run(min(conc, 4), conc))  # warm-up (and the image cache)
+            asyncio.run(gather_limited(one, min(conc, 4), conc))  # warm-up (and the image cache)
             t0 = time.perf_counter()
-            out = asyncio.run(run(conc * 2, conc))
+            out = asyncio.run(gather_limited(one, conc * 2, conc))
             wall = time.perf_counter() - t0
             phases = {k: round(v, 3) for k, v in engine.stats()["step_phase_seconds"].items()}
             print(f"concurrency {conc}: wall {wall:.3f} s, engine seconds by phase {phases}, steps {engine.stats()['steps']}",
                   flush=True)
-            ttft = sorted(r.metrics["ttft_ms"] for _, r in out)
-            tokens = sum(r.metrics["output_tokens"] for _, r in out)
-            rows.append({"concurrency": conc, "requests": len(out), "req_per_s": len(out) / wall,
-                         "output_tok_per_s": tokens / wall, "ttft_p50_ms": ttft[len(ttft) // 2],
-                         "ttft_p95_ms": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))]})
+            rows.append(throughput_row(conc, wall, [r.metrics["ttft_ms"] for r in out],
+                                       sum(r.metrics["output_tokens"] for r in out)))
         finally:
             engine.shutdown()
     return rows

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import captured, steps_launched_ahead, timed  # noqa: E402
+from benchmarks.gpu_bench import captured, engine_step, steps_launched_ahead, timed  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
@@ -53,17 +53,11 @@ def main() -> None:
     ids, tokens, positions = list(range(args.batch)), [11] * args.batch, [args.context] * args.batch
     decoder.run(tokens, ids, positions)
     graph = next(iter(decoder.graphs.values()))  # the one graph that step captured
-    steps = itertools.count()
-
-    def engine_step():  # as gpu_bench.decode_steps and the scheduler run it
-        moved = [args.context + next(steps) % 8] * args.batch
-        logits, _, greedy = decoder.run(tokens, ids, moved, [()] * args.batch)
-        decoder.prepare(ids, [p + 1 for p in moved])
-        return logits.argmax(-1) if greedy is None else greedy
 
     variants = {"graph replay alone": graph.replay, "run()": lambda: decoder.run(tokens, ids, positions),
                 "run() + argmax": lambda: decoder.run(tokens, ids, positions)[0].argmax(-1),
-                "engine step (moving positions, prepare, greedy choice)": engine_step}
+                "engine step (moving positions, prepare, greedy choice)":
+                    engine_step(decoder, args.batch, args.context)}
     times = {name: [] for name in variants}
     for _ in range(10):  # interleaved rounds: clock drift hits every variant alike
         for name, fn in variants.items():

@@ -28,9 +28,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gpu_bench import gather_limited, query_images, throughput_row  # noqa: E402
 from client import build_inputs  # noqa: E402
 from kestrel_backend.config import TINY_CHECKPOINT  # noqa: E402
 from kestrel_backend.triton.local_server import server_command  # noqa: E402
@@ -125,21 +124,14 @@ async def level(url: str, images: list[bytes], concurrency: int, requests: int, 
     import tritonclient.grpc.aio as grpcaio
 
     client = grpcaio.InferenceServerClient(url)
-    slots = asyncio.Semaphore(concurrency)
-
-    async def limited(i):
-        async with slots:
-            return await one_request(client, images[i % len(images)], max_tokens)
     try:
         t0 = time.perf_counter()
-        out = await asyncio.gather(*[limited(i) for i in range(requests)])
+        out = await gather_limited(lambda i: one_request(client, images[i % len(images)], max_tokens), requests,
+                                   concurrency)
         wall = time.perf_counter() - t0
     finally:
         await client.close()
-    ttft = sorted(r["ttft_ms"] for r in out)
-    return {"concurrency": concurrency, "requests": requests, "req_per_s": requests / wall,
-            "output_tok_per_s": sum(r["output_tokens"] for r in out) / wall,
-            "ttft_p50_ms": ttft[len(ttft) // 2], "ttft_p95_ms": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))]}
+    return throughput_row(concurrency, wall, [r["ttft_ms"] for r in out], sum(r["output_tokens"] for r in out))
 
 
 def main() -> int:
@@ -152,11 +144,7 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--log", type=Path, help="tritonserver's output (default: a temporary file)")
     args = p.parse_args()
-    import pyvips
-
-    rng = np.random.default_rng(0)
-    images = [pyvips.Image.new_from_array(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).jpegsave_buffer()
-              for _ in range(8)]
+    images = query_images()
     url = f"localhost:{args.grpc_port}"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
