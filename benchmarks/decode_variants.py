@@ -1,8 +1,8 @@
 """A/B of decode-step variants for one or two sequences (GPU only): the attention split over the
 context or one program per sequence and head; with programmatic dependent launch or without; the
 attention as a kernel of its own or inside the norm + qkv/fc1 kernel (one kernel), with its context
-splits and cached positions per block; or, with --tiles, the GEMV tiles of one sequence around the
-defaults (the sweep behind them). The variants' CUDA graphs are replayed in interleaved rounds, so
+splits, cached positions per block and fc1 programs launched before its attention programs; or, with
+--tiles, the GEMV tiles of one sequence around the defaults (the sweep behind them). The variants' CUDA graphs are replayed in interleaved rounds, so
 clock drift hits them alike (separate runs differ by 5 to 10%).
 
     python benchmarks/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20] [--tiles]
@@ -12,6 +12,7 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +38,15 @@ TILE_VARIANTS = {"default": {}, "norm+qkv/fc1+attention 8 x 2048": {"front": (8,
                  "LM head 8 columns, 8 warps": {"lm": (8, 2048, 8)}}
 
 
+class Variant(NamedTuple):
+    splits: int | str | None  # None: context_splits(); "as the engine": what fused_decode_step picks
+    pdl: bool = True
+    one_kernel: bool = True
+    tiles: dict = {}
+    kv_block: int = dk.ONE_KERNEL_KV_BLOCK
+    fc1_first: int = dk.ONE_KERNEL_FC1_FIRST
+
+
 def _with_tiles(overrides: dict):
     """decode_kernels._tiles with one sequence's tiles replaced: "front" the norm + qkv/fc1 (+ attention)
     kernel, "back" out-projection + fc2, "lm" the LM head; each (columns, K chunk, warps) per program."""
@@ -59,15 +69,16 @@ def main() -> None:
     args = p.parse_args()
     config = MoondreamConfig()
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
-    kv_block = dk.ONE_KERNEL_KV_BLOCK
-    variants = {"1 split": (1, True, False, {}, kv_block), "split": (None, True, False, {}, kv_block),
-                "1 split, no PDL": (1, False, False, {}, kv_block), "split, no PDL": (None, False, False, {}, kv_block),
-                "one kernel, 1 split": (1, True, True, {}, kv_block)}
-    variants.update({f"one kernel, {s} splits": (s, True, True, {}, kv_block) for s in (4, 8, 16)})
-    variants.update({f"one kernel, {s} splits, KV block {kv}": (s, True, True, {}, kv)
-                     for s, kv in ((4, 128), (8, 128), (16, 32)) if kv != kv_block})
+    variants = {"1 split": Variant(1, one_kernel=False), "split": Variant(None, one_kernel=False),
+                "1 split, no PDL": Variant(1, pdl=False, one_kernel=False),
+                "split, no PDL": Variant(None, pdl=False, one_kernel=False), "one kernel, 1 split": Variant(1)}
+    variants.update({f"one kernel, {s} splits": Variant(s) for s in (4, 8, 16)})
+    variants.update({f"one kernel, {s} splits, KV block {kv}": Variant(s, kv_block=kv)
+                     for s, kv in ((4, 128), (8, 128), (16, 32)) if kv != dk.ONE_KERNEL_KV_BLOCK})
+    variants.update({f"one kernel, {s} splits, {n} fc1 programs first": Variant(s, fc1_first=n)
+                     for s in (8, 16) for n in (0, 64, 192, 256) if n != dk.ONE_KERNEL_FC1_FIRST})
     if args.tiles:  # GEMV tiles of one sequence: (columns, K chunk, warps) per program
-        variants = {name: ("as the engine", True, True, tiles, kv_block) for name, tiles in TILE_VARIANTS.items()}
+        variants = {name: Variant("as the engine", tiles=tiles) for name, tiles in TILE_VARIANTS.items()}
     for context in (int(c) for c in args.contexts.split(",")):
         cache = PagedKVCache(config.text, args.batch * (context // 16 + 1), 16, "cuda", torch.bfloat16)
         for i in range(args.batch):
@@ -79,18 +90,20 @@ def main() -> None:
         logits = torch.empty(args.batch, config.text.vocab_size, device="cuda")
         graphs = {}
         with torch.inference_mode():
-            for name, (splits, pdl, one_kernel, tiles, kv) in variants.items():
+            for name, variant in variants.items():
+                splits = variant.splits
                 if splits == "as the engine":
                     splits = 1 if context < cuda_decode.LONG_CONTEXT else None
-                dk.PDL_ENABLED = pdl  # read at launch, so while capturing
-                cuda_decode.ATTENTION_IN_NORM_LINEAR = one_kernel
-                dk._tiles = _with_tiles(tiles)
-                dk.ONE_KERNEL_KV_BLOCK = kv
+                dk.PDL_ENABLED = variant.pdl  # read at launch, so while capturing
+                cuda_decode.ATTENTION_IN_NORM_LINEAR = variant.one_kernel
+                dk._tiles = _with_tiles(variant.tiles)
+                dk.ONE_KERNEL_KV_BLOCK, dk.ONE_KERNEL_FC1_FIRST = variant.kv_block, variant.fc1_first
                 graphs[name] = captured(lambda: fused_decode_step(model, x, cache, inputs.rows(args.batch), logits,
                                                                   splits), warmups=2)
+            default = Variant(None)
             dk.PDL_ENABLED = cuda_decode.ATTENTION_IN_NORM_LINEAR = True
             dk._tiles = DEFAULT_TILES
-            dk.ONE_KERNEL_KV_BLOCK = kv_block
+            dk.ONE_KERNEL_KV_BLOCK, dk.ONE_KERNEL_FC1_FIRST = default.kv_block, default.fc1_first
             times = {name: [] for name in variants}
             for _ in range(args.rounds):
                 for name, graph in graphs.items():

@@ -107,10 +107,13 @@ def test_rotary_paged_attention_matches_rope_then_attention(splits):
         assert rel_err(got[i].view(cfg.n_heads, d), ref[0]) < 1e-5
 
 
-@pytest.mark.parametrize("lens, splits, block_n", [([9], 1, 8), ([150], 4, 4), ([1, 70], 2, 8)])
-def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n):
-    """The one-kernel form (attention programs waiting on the qkv programs of their head) equals
-    norm_linear followed by rotary_paged_attention, and each qkv program counted itself in once."""
+@pytest.mark.parametrize("lens, splits, block_n, fc1_first", [([9], 1, 8, 0), ([150], 4, 4, 0), ([1, 70], 2, 8, 0),
+                                                              ([150], 4, 4, 24)])
+def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc1_first, monkeypatch):
+    """The one-kernel form (attention programs waiting on the qkv programs of their head, with or without
+    fc1 programs launched between) equals norm_linear followed by rotary_paged_attention, and each qkv
+    program counted itself in once."""
+    monkeypatch.setattr(dk, "ONE_KERNEL_FC1_FIRST", fc1_first)
     cfg = TextConfig(dim=256, ff_dim=512, n_layers=1, n_heads=4, n_kv_heads=4)
     g = torch.Generator().manual_seed(len(lens) * 10 + splits)
     m, h, d, page = len(lens), cfg.n_heads, cfg.head_dim, 16
@@ -205,7 +208,7 @@ def test_gpu_vision_blocks_match_the_torch_blocks(tiny_model):
 
     v, w = tiny_model.config.vision, tiny_model.weights.vision
     crops = torch.rand(2, 3, v.crop_size, v.crop_size, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    x = vision.linear(vision.patchify(crops, v.enc_patch_size), w.patch_emb) + w.pos_emb
+    x = vision.embed_patches(crops, w, v)
     got = vision._encode_blocks_cuda(x.clone(), w, v)
     assert rel_err(got, vision.encode_crops(crops, w, v)) < 1e-5
 

@@ -26,11 +26,22 @@ def normalise(crops: np.ndarray, device, dtype) -> torch.Tensor:
     return x.div_(255.0).sub_(0.5).div_(0.5)
 
 
-def patchify(x: torch.Tensor, patch: int) -> torch.Tensor:
-    """[B, C, H, W] -> [B, (H/p)*(W/p), C*p*p], patches in row-major order."""
+def patchify(x: torch.Tensor, patch: int, width: int) -> torch.Tensor:
+    """[B, C, H, W] -> [B, (H/p)*(W/p), width]: patches in row-major order, each C*p*p values then zeros."""
     b, c, h, w = x.shape
-    x = x.reshape(b, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // patch) * (w // patch), c * patch * patch)
+    out = x.new_empty(b, (h // patch) * (w // patch), width)
+    out[..., c * patch * patch:].zero_()
+    patches = x.unflatten(3, (w // patch, patch)).unflatten(2, (h // patch, patch))  # a view at any strides
+    out[..., :c * patch * patch].view(b, h // patch, w // patch, c, patch, patch).copy_(
+        patches.permute(0, 2, 4, 1, 3, 5))
+    return out
+
+
+def embed_patches(crops: torch.Tensor, w: VisionWeights, config: VisionConfig) -> torch.Tensor:
+    """[B, 3, crop, crop] -> [B, grid*grid, enc_dim] patch embeddings plus positions. Patch rows are padded
+    to the weight's width, a multiple of 8 (588 -> 592): 16-byte rows let cuBLAS use its Hopper kernels
+    (H100, 13 crops: 93 against 138 us)."""
+    return linear(patchify(crops, config.enc_patch_size, w.patch_emb.weight.shape[1]), w.patch_emb) + w.pos_emb
 
 
 def _attend_heads(x: torch.Tensor, qkv, n_heads: int) -> torch.Tensor:
@@ -42,7 +53,7 @@ def _attend_heads(x: torch.Tensor, qkv, n_heads: int) -> torch.Tensor:
 
 def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig) -> torch.Tensor:
     """[B, 3, crop, crop] -> patch features [B, grid*grid, enc_dim]; crops of many images may share a batch."""
-    x = linear(patchify(crops, config.enc_patch_size), w.patch_emb) + w.pos_emb
+    x = embed_patches(crops, w, config)
     if x.is_cuda:
         return _encode_blocks_cuda(x, w, config)
     for block in w.blocks:
@@ -53,19 +64,17 @@ def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig) ->
 
 def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig) -> torch.Tensor:
     """The same blocks with the residual adds done by the output GEMMs (in place, beta = 1). Their biases
-    are left out of the stream and added back by the next norm: shifts[i] sums all biases before it."""
+    are left out of the stream and added back by the next norm: w.bias_sums[i] sums all biases before it."""
     from .layer_norm_cuda import shifted_layer_norm
 
     b, n, d = x.shape
     x = x.view(b * n, d)
-    biases = [bias for block in w.blocks for bias in (block.proj.bias, block.mlp.fc2.bias)]
-    shifts = torch.cat([torch.zeros(1, d, device=x.device), torch.stack(biases).float().cumsum(0)])
     for i, block in enumerate(w.blocks):
-        h = shifted_layer_norm(x, shifts[2 * i], block.ln1.weight, block.ln1.bias)
+        h = shifted_layer_norm(x, w.bias_sums[2 * i], block.ln1.weight, block.ln1.bias)
         x.addmm_(_attend_heads(h.view(b, n, d), block.qkv, config.enc_n_heads).view(b * n, d), block.proj.weight.t())
-        h = shifted_layer_norm(x, shifts[2 * i + 1], block.ln2.weight, block.ln2.bias)
+        h = shifted_layer_norm(x, w.bias_sums[2 * i + 1], block.ln2.weight, block.ln2.bias)
         x.addmm_(mlp_hidden(h, block.mlp), block.mlp.fc2.weight.t())
-    return shifted_layer_norm(x, shifts[-1], w.post_ln.weight, w.post_ln.bias).view(b, n, d)
+    return shifted_layer_norm(x, w.bias_sums[-1], w.post_ln.weight, w.post_ln.bias).view(b, n, d)
 
 
 def project(features: torch.Tensor, tiling: tuple[int, int], w: VisionWeights, config: VisionConfig) -> torch.Tensor:

@@ -50,11 +50,12 @@ class VisionBlock:
 
 @dataclass
 class VisionWeights:
-    patch_emb: Linear
+    patch_emb: Linear  # in-dim zero-padded to a multiple of 8 (vision.embed_patches says why)
     pos_emb: torch.Tensor
     blocks: list[VisionBlock]
     post_ln: LayerNorm
     proj_mlp: MLP
+    bias_sums: torch.Tensor  # float32 [2 * layers + 1, dim]: row i sums the first i residual biases (proj, fc2, ...)
 
 
 @dataclass
@@ -265,14 +266,17 @@ def build_weights(state: dict[str, torch.Tensor], config: MoondreamConfig,
     def mlp(name):
         return MLP(linear(f"{name}.fc1"), linear(f"{name}.fc2"))
 
+    patch_emb = linear("vision.patch_emb")
+    vision_blocks = [VisionBlock(norm(f"vision.blocks.{i}.ln1"), linear(f"vision.blocks.{i}.attn.qkv"),
+                                 linear(f"vision.blocks.{i}.attn.proj"), norm(f"vision.blocks.{i}.ln2"),
+                                 mlp(f"vision.blocks.{i}.mlp")) for i in range(config.vision.enc_n_layers)]
     vision = VisionWeights(
-        patch_emb=linear("vision.patch_emb"),
+        patch_emb=Linear(_pad_columns(patch_emb.weight, 8), patch_emb.bias),
         pos_emb=t("vision.pos_emb"),
-        blocks=[VisionBlock(norm(f"vision.blocks.{i}.ln1"), linear(f"vision.blocks.{i}.attn.qkv"),
-                            linear(f"vision.blocks.{i}.attn.proj"), norm(f"vision.blocks.{i}.ln2"),
-                            mlp(f"vision.blocks.{i}.mlp")) for i in range(config.vision.enc_n_layers)],
+        blocks=vision_blocks,
         post_ln=norm("vision.post_ln"),
         proj_mlp=mlp("vision.proj_mlp"),
+        bias_sums=_residual_bias_sums(vision_blocks),
     )
     text = TextWeights(
         wte=t("text.wte"),
@@ -288,6 +292,18 @@ def build_weights(state: dict[str, torch.Tensor], config: MoondreamConfig,
         size_encoder=linear("region.size_encoder"), size_decoder=mlp("region.size_decoder"),
     )
     return MoondreamWeights(vision, text, region)
+
+
+def _pad_columns(weight: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -weight.shape[1] % multiple
+    return torch.nn.functional.pad(weight, (0, pad)) if pad else weight
+
+
+def _residual_bias_sums(blocks: list[VisionBlock]) -> torch.Tensor:
+    """The biases of the encoder's residual adds (proj then fc2, layer by layer) summed up to each add, in
+    float32: on the GPU the output GEMMs leave their biases out and each layer norm adds the sum back."""
+    biases = torch.stack([bias.float() for block in blocks for bias in (block.proj.bias, block.mlp.fc2.bias)])
+    return torch.cat([torch.zeros_like(biases[:1]), biases.cumsum(0)])
 
 
 def _text_block(ln: LayerNorm, qkv: Linear, proj: Linear, mlp: MLP) -> TextBlock:

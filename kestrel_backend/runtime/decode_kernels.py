@@ -224,6 +224,10 @@ GEMV_MAX_ROWS = 2  # up to here, streaming the weight through plain loads beats 
 
 PDL_ENABLED = True  # programmatic dependent launch where the GPU has it (benchmarks compare without)
 ONE_KERNEL_KV_BLOCK = 64  # cached positions per block in the one kernel's attention (decode_variants compares)
+# fc1 programs launched between the one kernel's qkv and attention programs: fewer attention programs then
+# hold an SM while they wait for their head's qkv (H100, one sequence, 8 splits at 800 tokens, interleaved A/B:
+# 0 / 64 / 128 / 192 / 256 -> 1.138 / 1.129 / 1.124 / 1.118 / 1.166 ms; 128 keeps clear of that cliff)
+ONE_KERNEL_FC1_FIRST = 128
 
 
 def _pdl(device: torch.device, rows: int) -> dict:
@@ -506,9 +510,11 @@ def _norm_linear_attention_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_p
                                   K: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, H: tl.constexpr,
                                   D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, KV_BLOCK: tl.constexpr,
                                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  BLOCK_K: tl.constexpr, STATS_K: tl.constexpr, PDL: tl.constexpr):
+                                  BLOCK_K: tl.constexpr, STATS_K: tl.constexpr, FC1_FIRST: tl.constexpr,
+                                  PDL: tl.constexpr):
     """The GEMV form of _norm_linear_kernel (qkv, then fc1 with GELU) with the attention in the same grid.
-    Programs, in launch order: [qkv columns][attention: sequence, head, split][fc1 columns]. A qkv
+    Programs, in launch order: [qkv columns][FC1_FIRST fc1 columns][attention: sequence, head, split][the
+    other fc1 columns]. A qkv
     program counts itself in at sync[head] once its columns are stored; an attention program waits
     until all of its head's have, then runs while fc1's weight still streams: the attention leaves the
     critical path. The programs waited on have lower ids, so they were scheduled first and wait on
@@ -517,8 +523,9 @@ def _norm_linear_attention_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_p
     pid = tl.program_id(0)
     QKV_PROGRAMS: tl.constexpr = N1 // BLOCK_N
     ARRIVALS: tl.constexpr = 3 * D // BLOCK_N  # the qkv programs of one head: its q, k and v columns
-    attention = pid - QKV_PROGRAMS
-    if (attention >= 0) & (attention < M * H * SPLITS):
+    ATTENTION_PROGRAMS = M * H * SPLITS
+    attention = pid - QKV_PROGRAMS - FC1_FIRST
+    if (attention >= 0) & (attention < ATTENTION_PROGRAMS):
         b = attention // (H * SPLITS)
         h = (attention // SPLITS) % H
         split = attention % SPLITS
@@ -537,9 +544,9 @@ def _norm_linear_attention_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_p
             if tl.atomic_add(sync_ptr + H + b * H + h, 1, sem="acq_rel") == SPLITS - 1:
                 _combine_splits(part_ml_ptr, part_acc_ptr, attn_ptr, b * H + h, D, SPLITS)
     else:
-        fc1 = pid - M * H * SPLITS  # program ids past the attention's, shifted to follow the qkv programs
-        first, offs_n, w_first = _columns_and_first_tile(tl.where(pid < QKV_PROGRAMS, pid, fc1), w1_ptr, w2_ptr, N1,
-                                                         K, BLOCK_N, BLOCK_K)
+        # the program's place among the qkv and fc1 column programs (those past the attention's shifted back)
+        columns = tl.where(attention < 0, pid, pid - ATTENTION_PROGRAMS)
+        first, offs_n, w_first = _columns_and_first_tile(columns, w1_ptr, w2_ptr, N1, K, BLOCK_N, BLOCK_K)
         _after_previous_kernel(PDL)
         offs_m = tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
@@ -620,7 +627,7 @@ def norm_linear_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, fc1_weigh
         k_cache, v_cache, block_tables, block_tables.stride(0), seq_lens, slots, out, part_ml, part_acc, sync,
         dim ** -0.5, K=k, N1=n1, N2=n2, H=n_heads, D=dim, HALF=half, PAGE=page_size, KV_BLOCK=ONE_KERNEL_KV_BLOCK,
         SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=_stats_chunk(k, block_m),
-        num_warps=warps, num_stages=stages, **_pdl(x.device, m))
+        FC1_FIRST=min(ONE_KERNEL_FC1_FIRST, n2 // block_n), num_warps=warps, num_stages=stages, **_pdl(x.device, m))
     return out, out2
 
 
