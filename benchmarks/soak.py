@@ -18,12 +18,12 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from client import AsyncMoondreamClient, MoondreamError  # noqa: E402
+from client.metrics import metric_sum, scrape  # noqa: E402
 
 
 def rss_mib(pid: int | None) -> float | None:
@@ -42,11 +42,7 @@ def rss_mib(pid: int | None) -> float | None:
 def kv_pages_used(metrics_url: str | None) -> float | None:
     if not metrics_url:
         return None
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith('kestrel_engine_state{state="kv_pages_used"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    return metric_sum(scrape(metrics_url, timeout=5), "kestrel_engine_state", state="kv_pages_used")
 
 
 async def worker(client, image, stop_at, rng, cancel_p, latencies, outcomes, errors):

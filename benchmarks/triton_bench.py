@@ -24,13 +24,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import gather_limited, query_images, throughput_row  # noqa: E402
 from client import build_inputs  # noqa: E402
+from client.metrics import metric_sum, scrape  # noqa: E402
 from kestrel_backend.config import TINY_CHECKPOINT  # noqa: E402
 from kestrel_backend.triton.local_server import server_command  # noqa: E402
 
@@ -76,12 +76,8 @@ SERVER_SUMS = {"kestrel_time_to_first_token_seconds_sum": "engine_ttft_s", "kest
 
 def server_sums(metrics_url: str) -> dict[str, float]:
     """The metrics above, summed over their labels."""
-    sums = dict.fromkeys(SERVER_SUMS.values(), 0.0)
-    for line in urllib.request.urlopen(metrics_url, timeout=10).read().decode().splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in SERVER_SUMS:
-            sums[SERVER_SUMS[name]] += float(line.rsplit(" ", 1)[1])
-    return sums
+    text = scrape(metrics_url)
+    return {key: metric_sum(text, name) for name, key in SERVER_SUMS.items()}
 
 
 def server_means(before: dict, after: dict) -> dict:

@@ -13,6 +13,7 @@ import tritonclient.grpc as grpcclient
 from test_images import png_header_only
 
 from client import AsyncMoondreamClient, MoondreamClient, MoondreamError, build_inputs
+from client.metrics import metric_sum, scrape
 from kestrel_backend.config import RuntimeConfig
 from kestrel_backend.engine import InferenceEngine
 
@@ -38,16 +39,7 @@ def direct(tiny_dir):
 
 
 def metrics_text(triton_server) -> str:
-    return urllib.request.urlopen(triton_server["metrics"], timeout=10).read().decode()
-
-
-def metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    return scrape(triton_server["metrics"])
 
 
 def idle_metrics(server, timeout: float = 30.0) -> str:
@@ -56,8 +48,8 @@ def idle_metrics(server, timeout: float = 30.0) -> str:
     deadline = time.time() + timeout
     while True:
         text = metrics_text(server)
-        idle = metric(text, "kestrel_engine_state", state="kv_pages_used") == 0 and \
-            metric(text, "kestrel_engine_state", state="running") == 0
+        idle = metric_sum(text, "kestrel_engine_state", state="kv_pages_used") == 0 and \
+            metric_sum(text, "kestrel_engine_state", state="running") == 0
         if idle or time.time() > deadline:
             return text
         time.sleep(0.2)
@@ -208,8 +200,8 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(triton_serve
         ok = client.query("still there?", settings={"max_tokens": 2})
         assert ok["finish_reason"] in ("stop", "length"), kind
     text = idle_metrics(triton_server)
-    assert metric(text, "kestrel_requests_total", outcome="invalid") >= 20
-    assert metric(text, "kestrel_engine_state", state="kv_pages_used") == 0
+    assert metric_sum(text, "kestrel_requests_total", outcome="invalid") >= 20
+    assert metric_sum(text, "kestrel_engine_state", state="kv_pages_used") == 0
 
 
 def test_one_pixel_image_is_served(client):
@@ -244,14 +236,14 @@ def test_concurrent_streams_with_cancellations_and_metrics(triton_server, image)
             key = "caption" if i % 2 else "answer"
             assert "".join(b["chunk"] for b in bodies) == bodies[-1][key]
     text = idle_metrics(triton_server)
-    assert metric(text, "kestrel_engine_state", state="kv_pages_used") == 0
-    assert metric(text, "kestrel_engine_state", state="kv_pages_total") > 0
-    assert metric(text, "nv_inference_request_success", model="moondream") > 0
-    assert metric(text, "kestrel_requests_total", outcome="success") >= 24
-    assert metric(text, "kestrel_requests_total", outcome="cancelled") >= 1  # the server saw clients leave
-    assert metric(text, "kestrel_output_tokens_total") > 0
-    assert metric(text, "kestrel_time_to_first_token_seconds_count") > 0
-    assert metric(text, "kestrel_request_latency_seconds_count") > 0
+    assert metric_sum(text, "kestrel_engine_state", state="kv_pages_used") == 0
+    assert metric_sum(text, "kestrel_engine_state", state="kv_pages_total") > 0
+    assert metric_sum(text, "nv_inference_request_success", model="moondream") > 0
+    assert metric_sum(text, "kestrel_requests_total", outcome="success") >= 24
+    assert metric_sum(text, "kestrel_requests_total", outcome="cancelled") >= 1  # the server saw clients leave
+    assert metric_sum(text, "kestrel_output_tokens_total") > 0
+    assert metric_sum(text, "kestrel_time_to_first_token_seconds_count") > 0
+    assert metric_sum(text, "kestrel_request_latency_seconds_count") > 0
 
 
 def test_cli_and_seed_client(triton_server, tiny_dir):
