@@ -46,8 +46,9 @@ def write_checkpoint(folder: Path) -> None:
     shutil.copy(TINY_CHECKPOINT / "tokenizer.json", folder / "tokenizer.json")
 
 
-def start_server(checkpoint: Path, work: Path, max_batch: int, grpc_port: int, log) -> subprocess.Popen:
-    cmd, env = server_command(grpc_port - 1, grpc_port, grpc_port + 1, work=work)
+def start_server(checkpoint: Path, work: Path, max_batch: int, ports: tuple[int, int, int], log) -> subprocess.Popen:
+    """ports: (http, grpc, metrics)."""
+    cmd, env = server_command(*ports, work=work)
     env.update(KESTREL_MODEL_PATH=str(checkpoint), KESTREL_MAX_BATCH_SIZE=str(max_batch), KESTREL_MAX_QUEUE="4096")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -134,14 +135,15 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--grpc-port", type=int, default=8101)
+    p.add_argument("--grpc-port", type=int, default=8101, help="HTTP takes the port below, metrics the one above")
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--checkpoint", type=Path, help="serve this checkpoint instead of random full-size weights")
     p.add_argument("--out", type=Path)
     p.add_argument("--log", type=Path, help="tritonserver's output (default: a temporary file)")
     args = p.parse_args()
     images = query_images()
-    url = f"localhost:{args.grpc_port}"
+    ports = (args.grpc_port - 1, args.grpc_port, args.grpc_port + 1)  # http, grpc, metrics
+    url, metrics_url = f"localhost:{ports[1]}", f"http://localhost:{ports[2]}/metrics"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         checkpoint = args.checkpoint or folder / "checkpoint"
@@ -150,13 +152,12 @@ def main() -> int:
             write_checkpoint(checkpoint)
         log_path = args.log or folder / "tritonserver.log"
         with open(log_path, "w") as log:
-            server = start_server(checkpoint, folder / "runtime", max(args.concurrency), args.grpc_port, log)
+            server = start_server(checkpoint, folder / "runtime", max(args.concurrency), ports, log)
             try:
                 ready_s = wait_ready(url, server, args.ready_timeout)
                 print(f"model ready after {ready_s:.1f} s", flush=True)
                 biggest = max(args.concurrency)
                 asyncio.run(level(url, images, biggest, biggest, args.max_tokens))  # warm-up: graphs, image cache
-                metrics_url = f"http://localhost:{args.grpc_port + 1}/metrics"
                 rows = []
                 for c in args.concurrency:
                     before = server_sums(metrics_url)
