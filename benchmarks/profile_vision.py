@@ -2,8 +2,9 @@
 
     python benchmarks/profile_vision.py
 
-Prints SDPA time per backend for the encoder's attention shape, the encode time eager, as a CUDA graph
-(what launch gaps cost) and split over several streams, then the top kernels of one encode.
+Prints SDPA time per backend for the encoder's attention shape and other head widths (CUDA graphs, so without
+the launch cost), the encode time eager, as a CUDA graph (what launch gaps cost) and split over several streams,
+then the top kernels of one encode.
 """
 
 import sys
@@ -34,16 +35,18 @@ def _over_streams(x, w, v, parts: int) -> torch.Tensor:
 def main(crops: int = 13) -> None:
     v = MoondreamConfig().vision
     tokens, heads = v.grid * v.grid, v.enc_n_heads
-    q, k, val = (torch.randn(crops, heads, tokens, v.enc_dim // heads, device="cuda", dtype=torch.bfloat16)
-                 for _ in range(3))
-    flops = 4 * crops * heads * tokens * tokens * (v.enc_dim // heads)
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-        try:
-            with sdpa_kernel(backend):
-                ms = timed(lambda: F.scaled_dot_product_attention(q, k, val), iters=20)
-            print(f"sdpa {backend.name}: {ms:.3f} ms per layer ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
-        except RuntimeError as e:
-            print(f"sdpa {backend.name}: not available ({str(e)[:100]})", flush=True)
+    head_dim = v.enc_dim // heads
+    flops = 4 * crops * heads * tokens * tokens * head_dim
+    for dim in sorted({head_dim, 64, 80, 128}):  # how the kernels fare at the encoder's head width and around it
+        q, k, val = (torch.randn(crops, heads, tokens, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+            try:
+                with sdpa_kernel(backend):
+                    ms = graph_timed(lambda: F.scaled_dot_product_attention(q, k, val))
+                print(f"sdpa {backend.name}, head dim {dim}: {ms:.3f} ms per layer "
+                      f"({flops / ms / 1e9:.0f} TFLOP/s counted at head dim {head_dim})", flush=True)
+            except RuntimeError as e:
+                print(f"sdpa {backend.name}, head dim {dim}: not available ({str(e)[:100]})", flush=True)
 
     w = random_weights(MoondreamConfig(), dtype=torch.bfloat16, device="cuda").vision
     x = torch.randn(crops, 3, v.crop_size, v.crop_size, device="cuda", dtype=torch.bfloat16)
