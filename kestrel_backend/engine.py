@@ -55,7 +55,7 @@ class EngineStream:
         return await self._delivery.result
 
     def cancel(self) -> None:
-        self._delivery.cancelled.set()
+        self._delivery.cancel()
 
 
 class InferenceEngine:
@@ -198,7 +198,7 @@ class InferenceEngine:
                 return EngineStream(delivery)
             return await delivery.result
         except asyncio.CancelledError:
-            delivery.cancelled.set()  # the caller went away: drop the request at the next step
+            delivery.cancel()  # the caller went away: drop the request at the next step
             raise
 
     async def _admit(self, skill, image, ids, settings, delivery, reasoning) -> None:

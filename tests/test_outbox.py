@@ -1,7 +1,31 @@
-"""The outbox's merging of queued chunks (kestrel_backend/triton/outbox.py); sending itself is covered
-through the real tritonserver in test_triton_server.py."""
+"""The outbox's merging of queued chunks and the guard around a request's response sender
+(kestrel_backend/triton/outbox.py); sending itself is covered through the real tritonserver in
+test_triton_server.py and test_reliability.py."""
 
-from kestrel_backend.triton.outbox import Outgoing, merged
+import threading
+
+from kestrel_backend.triton.outbox import GuardedSender, Outgoing, merged
+
+FINAL = 1
+
+
+class RecordingSender:
+    """Stands in for pb_utils' response sender: records calls; a send can be held until released."""
+
+    def __init__(self):
+        self.calls = []
+        self.release = threading.Event()
+        self.release.set()
+        self.sending = threading.Event()
+
+    def send(self, response=None, flags=0):
+        self.sending.set()
+        self.release.wait()
+        self.calls.append(("send", flags))
+
+    def is_cancelled(self):
+        self.calls.append(("is_cancelled",))
+        return False
 
 
 def chunk(sender, text, index):
@@ -26,3 +50,31 @@ def test_nothing_joins_across_a_final_response_or_an_error():
     error = Outgoing(a, final=True, error="boom")
     items = [chunk(a, "1", 1), error, chunk(a, "2", 2), Outgoing(a, final=True), chunk(a, "3", 3)]
     assert merged(items) == items
+
+
+def test_guarded_sender_never_asks_about_a_request_whose_final_response_is_out():
+    raw = RecordingSender()
+    sender = GuardedSender(raw, FINAL)
+    assert sender.is_cancelled() is False
+    sender.send("chunk", flags=0)
+    sender.send(flags=FINAL)
+    assert sender.is_cancelled() is False
+    assert raw.calls == [("is_cancelled",), ("send", 0), ("send", FINAL)]
+
+
+def test_guarded_sender_check_waits_for_a_final_send_in_progress():
+    raw = RecordingSender()
+    raw.release.clear()
+    sender = GuardedSender(raw, FINAL)
+    final = threading.Thread(target=sender.send, kwargs={"flags": FINAL})
+    final.start()
+    assert raw.sending.wait(5)
+    answers = []
+    check = threading.Thread(target=lambda: answers.append(sender.is_cancelled()))
+    check.start()
+    check.join(0.2)
+    assert check.is_alive()  # held by the send in progress
+    raw.release.set()
+    final.join(5)
+    check.join(5)
+    assert answers == [False] and raw.calls == [("send", FINAL)]

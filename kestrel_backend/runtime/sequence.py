@@ -45,6 +45,13 @@ class Delivery:
         self.result: asyncio.Future = loop.create_future()
         self.cancelled = threading.Event()
 
+    def cancel(self) -> None:
+        """The caller gives up: the engine drops the request at its next step. Call on the caller's loop.
+        The caller may never await the result now, so its RequestCancelled is marked as seen (asyncio
+        would otherwise log it as a future exception that was never retrieved)."""
+        self.cancelled.set()
+        self.result.add_done_callback(lambda future: future.cancelled() or future.exception())
+
     def _call(self, fn, *args):
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(fn, *args)

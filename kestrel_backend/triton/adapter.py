@@ -22,7 +22,7 @@ from ..config import RuntimeConfig
 from ..engine import InferenceEngine
 from ..errors import EngineOverloaded, InvalidRequest, RequestCancelled
 from .metrics import TritonMetrics
-from .outbox import Outbox, Outgoing
+from .outbox import GuardedSender, Outbox, Outgoing
 from .protocol import WireRequest, chunk_body, final_stream_body, parse_request, result_body
 
 log = logging.getLogger("kestrel.triton")
@@ -43,7 +43,7 @@ class TritonAdapter:
     # --- Triton's thread ---
     def execute(self, requests) -> None:
         for request in requests:
-            sender = request.get_response_sender()
+            sender = GuardedSender(request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             request_id = request.request_id() or uuid.uuid4().hex
             try:
                 wire = parse_request(lambda name: self._input(request, name))
