@@ -2,8 +2,8 @@
 context or one program per sequence and head; with programmatic dependent launch or without; the
 attention as a kernel of its own or inside the norm + qkv/fc1 kernel (one kernel), with its context
 splits, cached positions per block and fc1 programs launched before its attention programs; or, with
---tiles, the GEMV tiles of one sequence around the defaults (the sweep behind them). The variants' CUDA graphs are replayed in interleaved rounds, so
-clock drift hits them alike (separate runs differ by 5 to 10%).
+--tiles, the GEMV tiles of one sequence around the defaults (the sweep behind them). The variants' CUDA
+graphs are replayed in interleaved rounds, so clock drift hits them alike (separate runs differ by 5 to 10%).
 
     python benchmarks/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20] [--tiles]
 """

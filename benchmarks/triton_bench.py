@@ -53,7 +53,8 @@ def start_server(checkpoint: Path, work: Path, max_batch: int, ports: tuple[int,
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def wait_ready(url: str, server: subprocess.Popen, timeout: float) -> float:
+def wait_ready(url: str, server: subprocess.Popen, timeout: float, model: str = "moondream") -> float:
+    """Seconds until `model` is ready; exits if the server ends or the timeout passes first."""
     import tritonclient.grpc as grpcclient
 
     t0 = time.perf_counter()
@@ -62,7 +63,7 @@ def wait_ready(url: str, server: subprocess.Popen, timeout: float) -> float:
         if server.poll() is not None:
             raise SystemExit(f"tritonserver exited with {server.returncode} before the model was ready")
         try:
-            if client.is_model_ready("moondream"):
+            if client.is_model_ready(model):
                 return time.perf_counter() - t0
         except Exception:  # not listening yet
             pass

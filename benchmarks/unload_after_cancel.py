@@ -17,7 +17,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import query_images  # noqa: E402
+from benchmarks.triton_bench import wait_ready  # noqa: E402
 from client import build_inputs  # noqa: E402
 from kestrel_backend.triton.local_server import REPOSITORY, server_command  # noqa: E402
 
@@ -111,31 +111,21 @@ async def streams(url: str, make_request, images: list[bytes], n: int, cancel: b
 
 def trial(repository: Path, model: str, make_request, images, cancel: bool, port: int) -> bool:
     """One server's life -> True if it unloaded the model when told to stop."""
-    import tritonclient.grpc as grpcclient
-
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "tritonserver.log"
         cmd, server_env = server_command(port - 1, port, port + 1, repository=repository, work=Path(tmp) / "runtime")
         with open(log_path, "w") as log:
             server = subprocess.Popen(cmd, env=server_env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            ready = grpcclient.InferenceServerClient(f"localhost:{port}")
-            deadline = time.time() + 120
-            while time.time() < deadline:
-                try:
-                    if ready.is_model_ready(model):
-                        break
-                except Exception:  # not listening yet
-                    pass
-                time.sleep(0.5)
+            wait_ready(f"localhost:{port}", server, 120, model)
             asyncio.run(streams(f"localhost:{port}", make_request, images, 16, cancel))
             server.terminate()
             server.wait(90)
             return "Exit timeout expired" not in log_path.read_text()
         except subprocess.TimeoutExpired:  # not even its exit timeout ended it
-            server.kill()
             return False
-        finally:  # a stub left behind (its command line names this folder)
+        finally:  # a server still running (never ready, or stuck), a stub left behind (both name this folder)
+            server.kill()
             subprocess.run(["pkill", "-9", "-f", tmp])
 
 

@@ -62,13 +62,10 @@ class GuardedSender:
         self._lock = threading.Lock()
         self._done = False
 
-    def send(self, response=None, flags: int = 0) -> None:
+    def send(self, *response, flags: int = 0) -> None:
         with self._lock:
             try:
-                if response is None:
-                    self._sender.send(flags=flags)
-                else:
-                    self._sender.send(response, flags=flags)
+                self._sender.send(*response, flags=flags)
             finally:
                 self._done = self._done or bool(flags & self._final_flag)
 
