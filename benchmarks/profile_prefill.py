@@ -1,6 +1,9 @@
-"""Profile one engine prefill step (16 fresh image queries) on the GPU: where does the time go?
+"""Profile one engine prefill step (fresh image queries) on the GPU: where does the time go?
 
-    python benchmarks/profile_prefill.py
+    python benchmarks/profile_prefill.py [sequences, default 16]
+
+Prints the step's wall time with the torch attention path and with the engine's (the Triton prefill kernel),
+then the engine's GPU busy time (the host's launch work shows in the difference to the wall time).
 """
 
 import sys
@@ -16,39 +19,45 @@ from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
 from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
+from kestrel_backend.runtime.scheduler import make_attention  # noqa: E402
 
 
 def main(n: int = 16, prompt: int = 12) -> None:
     config = MoondreamConfig()
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
     cache = PagedKVCache(config.text, n * 64, 16, "cuda", torch.bfloat16)
-    attention = TorchPagedAttention(cache)
     length = 730 + prompt
     for i in range(n):
         cache.allocate(i, length + 64)
     x = torch.randn(n * length, config.text.dim, device="cuda", dtype=torch.bfloat16)
 
-    def step():
+    def step(attention):
         slices = [SeqSlice(i, i * length, (i + 1) * length, 0, 730, torch.arange(length, device="cuda")) for i in range(n)]
         attention.plan(slices)
         hidden = model.forward(x, torch.cat([s.positions for s in slices]), attention)
         return model.logits(hidden[[s.end - 1 for s in slices]])
 
     with torch.inference_mode():
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        print(f"prefill of {n} x {length} tokens: {(time.perf_counter() - t0) * 1000:.1f} ms "
-              f"(compute floor at 780 TFLOP/s: {n * length * 2 * 1.31e9 / 780e12 * 1000:.1f} ms)")
+        for name, attention in (("torch attention", TorchPagedAttention(cache)), ("engine", make_attention(cache))):
+            for _ in range(2):
+                step(attention)
+            walls = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step(attention)
+                torch.cuda.synchronize()
+                walls.append((time.perf_counter() - t0) * 1000)
+            print(f"{name}: prefill of {n} x {length} tokens: {sorted(walls)[2]:.1f} ms (median of 5; compute floor "
+                  f"at 780 TFLOP/s: {n * length * 2 * 1.31e9 / 780e12 * 1000:.1f} ms)", flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step()
+            step(attention)
             torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"engine: {len(kernels)} GPU operations, busy {sum(e.time_range.elapsed_us() for e in kernels) / 1000:.1f} ms")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=10, max_name_column_width=60))
 
 
 if __name__ == "__main__":
-    main()
+    main(*(int(a) for a in sys.argv[1:2]))

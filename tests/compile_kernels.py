@@ -19,6 +19,7 @@ from kestrel_backend.model.config import TextConfig, VisionConfig
 from kestrel_backend.model.layer_norm_cuda import shifted_layer_norm
 from kestrel_backend.model.rope_cuda import rope_qk_inplace
 from kestrel_backend.runtime import decode_kernels as dk
+from kestrel_backend.runtime.prefill_attention import prefill_attention
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
           torch.float64: "fp64"}
@@ -80,6 +81,9 @@ def launch_everything() -> None:
             dk.embed_rows(torch.zeros(m, dtype=torch.int32), torch.zeros(16, cfg.dim, **f), x,
                           torch.zeros(m, dtype=torch.int32))
             rope_qk_inplace(torch.zeros(m, 3 * cfg.dim, **f), cos, cos, 2 * h, d)  # (prefill)
+        q = torch.zeros(64, 3 * h, d, **f)
+        prefill_attention(q[:, :h], q[:, h:2 * h], q[:, 2 * h:], cache, cache, torch.zeros(64, dtype=torch.int64),
+                          torch.tensor([0, 64, 10, 0], dtype=torch.int32))
         vision = torch.zeros(729, VisionConfig().enc_dim, **f)
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
 

@@ -107,6 +107,61 @@ def test_rotary_paged_attention_matches_rope_then_attention(splits):
         assert rel_err(got[i].view(cfg.n_heads, d), ref[0]) < 1e-5
 
 
+@pytest.mark.parametrize("tokens, heads", [(7, 4), (9, 3)])  # token blocks and head counts not filling the tiles
+def test_rope_kernel_matches_the_torch_rope(tokens, heads):
+    from kestrel_backend.model.rope_cuda import rope_qk_inplace
+
+    cfg = TextConfig(dim=128, ff_dim=256, n_layers=1, n_heads=2, n_kv_heads=2)
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 2 * 3 * cfg.dim, generator=g)[:, :3 * cfg.dim]  # strided rows, like the engine's
+    table = rope_table(cfg)[torch.randint(0, 700, (tokens,), generator=g)]
+    cos, sin = table[:, :, 0].contiguous(), table[:, :, 1].contiguous()
+    q, k, _ = split_qkv_with_rope(qkv.clone(), cos, sin, cfg)
+    got = qkv.clone()
+    rope_qk_inplace(got, cos, sin, heads, cfg.head_dim)
+    rotated = heads * cfg.head_dim
+    assert torch.allclose(got[:, :rotated], torch.cat([q, k], 1).flatten(1)[:, :rotated], atol=1e-6)
+    assert torch.equal(got[:, rotated:], qkv[:, rotated:])
+
+
+@pytest.mark.parametrize("block_m, block_n", [(64, 64), (128, 32)])
+def test_prefill_attention_matches_the_torch_path(block_m, block_n, monkeypatch):
+    """The GPU prefill kernel against TorchPagedAttention: image prefixes crossing a tile boundary and
+    longer than it, text-only sequences, grouped-query heads; the same outputs and cache rows."""
+    from kestrel_backend.runtime import prefill_attention as pa
+    from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention
+    from kestrel_backend.runtime.kv_cache import PagedKVCache
+    from kestrel_backend.runtime.prefill_attention import PrefillAttention
+
+    monkeypatch.setattr(pa, "BLOCK_M", block_m)
+    monkeypatch.setattr(pa, "BLOCK_N", block_n)
+    cfg = TextConfig(dim=64, ff_dim=128, n_layers=2, n_heads=4, n_kv_heads=2)  # head_dim 16
+    g = torch.Generator().manual_seed(0)
+    seqs = [(79, 70), (5, 0), (133, 3), (64, 0)]  # (tokens, image prefix)
+    caches = [PagedKVCache(cfg, 64, 16, "cpu", torch.float32) for _ in range(2)]
+    slices, start = [], 0
+    for sid, (n, prefix) in enumerate(seqs):
+        for cache in caches:
+            cache.allocate(sid, n + 3)
+        slices.append(SeqSlice(sid, start, start + n, 0, prefix, torch.arange(n)))
+        start += n
+    d, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    qkv = torch.randn(start, (h + 2 * hkv) * d, generator=g)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], 1)
+    q, k, v = q.view(start, h, d), k.view(start, hkv, d), v.view(start, hkv, d)
+    outs = []
+    for cache, attention in zip(caches, (TorchPagedAttention(caches[0]), PrefillAttention(caches[1]))):
+        attention.plan(slices)
+        outs.append(attention(1, q, k, v))
+    assert rel_err(outs[1], outs[0]) < 1e-6
+    assert torch.equal(caches[1].k, caches[0].k) and torch.equal(caches[1].v, caches[0].v)
+
+    # a step with a continuing sequence (not fresh) takes the torch path
+    step = PrefillAttention(caches[1])
+    step.plan([SeqSlice(1, 0, 1, 5, 0, torch.tensor([5]))])
+    assert step._work is None
+
+
 @pytest.mark.parametrize("lens, splits, block_n, fc1_first", [([9], 1, 8, 0), ([150], 4, 4, 0), ([1, 70], 2, 8, 0),
                                                               ([150], 4, 4, 24)])
 def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc1_first, monkeypatch):

@@ -71,7 +71,8 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
         out = attention(i, q, k, v).reshape(n, -1)
         if x.is_cuda:  # residual adds folded into the two output GEMMs (beta = 1): two kernels less per layer
             g = mlp_hidden(h, block.mlp)
-            x = torch.addmm(torch.addmm(x, out, block.proj.weight.t()), g, block.mlp.fc2.weight.t()).add_(block.out_bias)
+            x = torch.addmm(x, out, block.proj.weight.t()) if i == 0 else x.addmm_(out, block.proj.weight.t())
+            x.addmm_(g, block.mlp.fc2.weight.t()).add_(block.out_bias)  # in place past layer 0: x is ours then
         else:
             x = x + linear(out, block.proj) + mlp(h, block.mlp)
     return x

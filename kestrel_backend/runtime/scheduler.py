@@ -1,7 +1,7 @@
 """Continuous batching on the engine thread.
 
 Each step prefills the whole prompt of every newly admitted sequence (one forward over a flat token
-list, torch attention), then runs one decode forward over one input of every running sequence (a
+list; its attention one Triton kernel per layer on a GPU, torch elsewhere), then runs one decode forward over one input of every running sequence (a
 CUDA graph on a GPU), then chooses all their tokens at once. Sequences join between steps and leave
 as soon as they finish, fail or are cancelled; their KV pages go back to the free list.
 """
@@ -27,6 +27,15 @@ from .sequence import EngineResult, Sequence, StreamChunk
 log = logging.getLogger("kestrel.scheduler")
 
 
+def make_attention(cache: PagedKVCache):
+    """Attention for the flat (prefill) forwards: a Triton kernel for fresh sequences on a GPU."""
+    if cache.k.device.type != "cuda":
+        return TorchPagedAttention(cache)
+    from .prefill_attention import PrefillAttention
+
+    return PrefillAttention(cache)
+
+
 def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int):
     """CUDA graphs of the fused Triton decode kernels on a GPU; None (torch attention) elsewhere."""
     if model.device.type != "cuda":
@@ -43,7 +52,7 @@ class Scheduler:
         self.cache = cache
         self.images = image_cache
         self.max_batch_size = max_batch_size
-        self.attention = TorchPagedAttention(cache)
+        self.attention = make_attention(cache)
         self.decoder = decoder
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -94,7 +103,7 @@ class Scheduler:
                 if self.fault_injector:
                     self.fault_injector(batch)
                 outputs = []
-                if new:  # prefill: whole prompts, torch attention
+                if new:  # prefill: whole prompts
                     outputs.append((new, *self._forward_flat(new, prefill=True), None))
                     for seq in new:
                         seq.prefill_ms = (time.perf_counter() - t0) * 1000
@@ -207,7 +216,7 @@ class Scheduler:
                    for s, c in zip(seqs, choices))
 
     def _forward_flat(self, seqs: list[Sequence], prefill: bool):
-        """One forward over a flat token list (whole prompts, or one input each) with torch attention."""
+        """One forward over a flat token list (whole prompts, or one input each) through self.attention."""
         m = self.model
         pieces = []
         if prefill:
