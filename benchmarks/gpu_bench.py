@@ -4,7 +4,7 @@
 
 (0) the two ceilings measured here: device copy bandwidth and bf16 matmul rate;
 (1) decode step time vs batch size next to its floor (text weights + KV bytes over measured bandwidth);
-(2) vision encode time per crop next to its FLOP floor;
+(2) vision encode time per crop next to its FLOP floor, and a prefill step's time next to its FLOP floor;
 (3) end-to-end engine throughput for query-with-image at several concurrencies;
 (4) correctness on the GPU: the golden tiny fixture in float32 (must pass) and in bf16 (agreement reported).
 Prints tables and writes everything as JSON.
@@ -37,6 +37,7 @@ from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention  # noqa: E402
 from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder  # noqa: E402
+from kestrel_backend.runtime.scheduler import make_attention  # noqa: E402
 
 
 def timed(fn, warmup=3, iters=20) -> float:
@@ -319,6 +320,38 @@ def vision_bench(model: Moondream, rate: float, compiled: bool = False, n: int =
             "floor_ms_per_crop": floor / n, "ratio": ms / floor}
 
 
+def prefill_bench(model: Moondream, rate: float, n: int, prompt: int = 12) -> list[dict]:
+    """A prefill step of n fresh image queries (730 prefix + prompt tokens each), as the scheduler runs it,
+    with the torch attention path and with the engine's (make_attention: the Triton kernel on a GPU). Floor:
+    the layers' matmul FLOPs over every token, the attention's over the pairs each token sees, the LM head's
+    over the last token of each sequence."""
+    t = model.config.text
+    prefix, length = t.prefix_attn, t.prefix_attn + prompt
+    cache = PagedKVCache(t, n * -(-length // 16), 16, "cuda", torch.bfloat16)
+    for i in range(n):
+        cache.allocate(i, length)
+    x = torch.randn(n * length, t.dim, device="cuda", dtype=torch.bfloat16)
+    per_token = 2 * (text_weight_bytes(model.config) // 2 - t.dim * t.vocab_size)  # 2 FLOPs per weight
+    pairs = prefix * prefix + sum(prefix + i + 1 for i in range(prompt))
+    flops = n * (length * per_token + t.n_layers * 4 * t.n_heads * t.head_dim * pairs + 2 * t.dim * t.vocab_size)
+    rows = []
+    for name, attention in (("torch attention", TorchPagedAttention(cache)), ("engine", make_attention(cache))):
+        def step():
+            slices = [SeqSlice(i, i * length, (i + 1) * length, 0, prefix, torch.arange(length, device="cuda"))
+                      for i in range(n)]
+            attention.plan(slices)
+            return model.logits(model.forward(x, torch.cat([s.positions for s in slices]), attention)[
+                [s.end - 1 for s in slices]])
+        with torch.inference_mode():
+            ms = timed(step, iters=10)
+        floor = flops / rate * 1000
+        rows.append({"attention": name, "sequences": n, "tokens": n * length, "ms": ms, "floor_ms": floor,
+                     "ratio": ms / floor})
+    del cache
+    torch.cuda.empty_cache()
+    return rows
+
+
 def query_images(n: int = 8) -> list[bytes]:
     """The end-to-end benchmarks' images: n random 640x480 JPEGs."""
     import pyvips
@@ -434,6 +467,9 @@ def main() -> int:
     except Exception as e:  # report, do not lose the rest of the run
         res["vision_compile_error"] = f"{type(e).__name__}: {e}"[:500]
     print("\nvision\n" + table(res["vision"]), flush=True)
+    rate = res["ceilings"]["bf16_matmul_TFLOPs"] * 1e12
+    res["prefill"] = [row for n in ((1, 16) if args.quick else (1, 4, 16)) for row in prefill_bench(model, rate, n)]
+    print("\nprefill (fresh image queries)\n" + table(res["prefill"]), flush=True)
     res["e2e"] = e2e_bench(model, [1, 8] if args.quick else [1, 4, 16, 64], max_tokens=64)
     print("\nend to end (query with image, 64 tokens)\n" + table(res["e2e"]), flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
