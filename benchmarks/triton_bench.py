@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import gather_limited, query_images, throughput_row  # noqa: E402
-from client import build_inputs  # noqa: E402
+from client import build_inputs, response_body  # noqa: E402
 from client.metrics import metric_sum, scrape  # noqa: E402
 from kestrel_backend.config import TINY_CHECKPOINT  # noqa: E402
 from kestrel_backend.triton.local_server import server_command  # noqa: E402
@@ -103,7 +103,7 @@ async def one_request(client, image: bytes, max_tokens: int) -> dict:
         async for result, error in responses:  # until the server ends the stream (after the final response)
             if error is not None:
                 raise RuntimeError(f"the server answered with an error: {error}")
-            body = json.loads(result.as_numpy("TEXT_OUTPUT").reshape(-1)[0])
+            body = response_body(result)
             if ttft is None:
                 ttft = time.perf_counter() - t0
             if body.get("completed"):

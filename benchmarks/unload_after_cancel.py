@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import query_images  # noqa: E402
 from benchmarks.triton_bench import wait_ready  # noqa: E402
-from client import build_inputs  # noqa: E402
+from client import build_inputs, response_body  # noqa: E402
 from kestrel_backend.triton.local_server import REPOSITORY, server_command  # noqa: E402
 
 ECHO_MODEL = '''
@@ -69,7 +68,7 @@ def moondream_request(image: bytes) -> tuple[dict, callable]:
     """(the stream's request, whether a result is the final one)."""
     inputs = build_inputs("query", image=image, question="Describe.", stream=True,
                           settings={"temperature": 0, "max_tokens": 8})
-    is_final = lambda result: json.loads(result.as_numpy("TEXT_OUTPUT").reshape(-1)[0]).get("completed", False)
+    is_final = lambda result: response_body(result).get("completed", False)
     return {"model_name": "moondream", "inputs": inputs}, is_final
 
 

@@ -52,6 +52,12 @@ def build_inputs(skill: str, image: bytes | None = None, question: str | None = 
     return inputs
 
 
+def response_body(result) -> dict | None:
+    """The JSON body of one streamed result (its TEXT_OUTPUT), or None for an empty final response."""
+    text = result.as_numpy("TEXT_OUTPUT")
+    return None if text is None else json.loads(text.reshape(-1)[0])
+
+
 class Call:
     """One request on its own gRPC stream; iterate the JSON bodies, `cancel()` to abandon it."""
 
@@ -75,9 +81,9 @@ class Call:
                     raise MoondreamError(error.message() if hasattr(error, "message") else str(error))
                 response = result.get_response()
                 final = response.parameters.get("triton_final_response")
-                text = result.as_numpy("TEXT_OUTPUT")
-                if text is not None:
-                    yield json.loads(text.reshape(-1)[0])
+                body = response_body(result)
+                if body is not None:
+                    yield body
                 if final is not None and final.bool_param:
                     return
         finally:
