@@ -22,7 +22,7 @@ from .model.moondream import Moondream
 from .model.tokenizer import IncrementalDetokenizer
 from .runtime.image_cache import ImageCache, image_key
 from .runtime.kv_cache import PagedKVCache
-from .runtime.scheduler import Scheduler, make_decoder
+from .runtime.scheduler import Scheduler, make_decoder, make_one_sequence_prefill
 from .runtime.sequence import Delivery, EngineResult, Sequence, StreamChunk
 from .skills.generation import Generation, ReasoningThenAnswer, RegionGeneration, TextGeneration
 from .skills.prompts import caption_prompt, query_prompt, region_prompt
@@ -76,7 +76,8 @@ class InferenceEngine:
         decoder = make_decoder(model, self.kv, config.max_batch_size, self.max_context)
         if decoder is not None:
             decoder.warmup()  # capture every batch-size bucket now, not under the first requests
-        self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder)
+        self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder,
+                                   make_one_sequence_prefill(model, self.kv, self.max_context))
         if config.chaos_fail_after_steps:
             log.warning("KESTREL_CHAOS_FAIL_AFTER_STEPS=%d: every step after that many will fail (chaos testing)",
                         config.chaos_fail_after_steps)

@@ -162,6 +162,32 @@ def test_prefill_attention_matches_the_torch_path(block_m, block_n, monkeypatch)
     assert step._work is None
 
 
+def test_one_sequence_prefill_matches_the_flat_step(tiny_model):
+    """The padded forward that the one-sequence prefill graphs capture (run eagerly here) against the flat
+    torch step: the same last hidden state and logits, the same cache rows, nothing stored elsewhere."""
+    from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention
+    from kestrel_backend.runtime.kv_cache import PagedKVCache
+    from kestrel_backend.runtime.prefill_graphs import OneSequencePrefill
+
+    cfg = tiny_model.config.text
+    caches = [PagedKVCache(cfg, 16, 16, "cpu", torch.float32) for _ in range(2)]
+    n, prefix = 150, 40  # rows not a multiple of the bucket
+    for cache in caches:
+        cache.allocate(0, 16)  # another sequence's pages: must stay untouched
+        cache.allocate(1, n + 5)
+    x = torch.randn(n, cfg.dim, generator=torch.Generator().manual_seed(0))
+    step = TorchPagedAttention(caches[0])
+    step.plan([SeqSlice(1, 0, n, 0, prefix, torch.arange(n))])
+    hidden = tiny_model.forward(x, torch.arange(n), step)[-1:]
+    prefill = OneSequencePrefill(tiny_model, caches[1], max_context=256)
+    logits, last = prefill.run(x, SeqSlice(1, 0, n, 0, prefix, None))
+    assert rel_err(last, hidden) < 1e-5 and rel_err(logits, tiny_model.logits(hidden)) < 1e-5
+    assert rel_err(caches[1].k, caches[0].k) < 1e-6 and rel_err(caches[1].v, caches[0].v) < 1e-6
+    others = torch.ones(caches[1].k.shape[1], dtype=torch.bool)
+    others[caches[1].slots(1, torch.arange(n))] = False
+    assert not caches[1].k[:, others].any() and not caches[1].v[:, others].any()
+
+
 @pytest.mark.parametrize("lens, splits, block_n, fc1_first", [([9], 1, 8, 0), ([150], 4, 4, 0), ([1, 70], 2, 8, 0),
                                                               ([150], 4, 4, 24)])
 def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc1_first, monkeypatch):

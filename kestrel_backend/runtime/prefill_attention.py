@@ -19,7 +19,7 @@ BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 4, 3
 
 
 @triton.jit
-def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, q_stride, kv_stride, out_ptr, k_cache_ptr, v_cache_ptr,
+def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, out_ptr, k_cache_ptr, v_cache_ptr,
                               slots_ptr, work_ptr, scale, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Program (item, head): the query tile q_block of one sequence (work item: start row, length, image
@@ -38,11 +38,13 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, q_stride, kv_stride, out_ptr,
     q = tl.load(q_ptr + (start + offs_m)[:, None] * q_stride + h * D + offs_d[None, :], mask=m_mask[:, None],
                 other=0.0)
     stores = m_mask & ((offs_m * 0 + h) % (H // HKV) == 0)  # (a row mask: Triton's interpreter wants one)
-    own_rows = (start + offs_m)[:, None] * kv_stride + kvh * D + offs_d[None, :]
-    cache_rows = tl.load(slots_ptr + start + offs_m, mask=stores, other=0).to(tl.int64)[:, None] * (HKV * D)
-    cache_rows += kvh * D + offs_d[None, :]
-    tl.store(k_cache_ptr + cache_rows, tl.load(k_ptr + own_rows, mask=stores[:, None]), mask=stores[:, None])
-    tl.store(v_cache_ptr + cache_rows, tl.load(v_ptr + own_rows, mask=stores[:, None]), mask=stores[:, None])
+    own_rows = (start + offs_m)[:, None]
+    head = kvh * D + offs_d[None, :]
+    cache_rows = tl.load(slots_ptr + start + offs_m, mask=stores, other=0).to(tl.int64)[:, None] * (HKV * D) + head
+    tl.store(k_cache_ptr + cache_rows, tl.load(k_ptr + own_rows * k_stride + head, mask=stores[:, None]),
+             mask=stores[:, None])
+    tl.store(v_cache_ptr + cache_rows, tl.load(v_ptr + own_rows * v_stride + head, mask=stores[:, None]),
+             mask=stores[:, None])
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -50,9 +52,9 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, q_stride, kv_stride, out_ptr,
     for kv_lo in range(0, tl.minimum(length, tl.maximum(prefix, q_lo + BLOCK_M)), BLOCK_N):
         offs_n = kv_lo + tl.arange(0, BLOCK_N)
         n_mask = offs_n < length
-        rows = (start + offs_n)[:, None] * kv_stride + kvh * D + offs_d[None, :]
-        k = tl.load(k_ptr + rows, mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + rows, mask=n_mask[:, None], other=0.0)
+        rows = (start + offs_n)[:, None]
+        k = tl.load(k_ptr + rows * k_stride + head, mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + rows * v_stride + head, mask=n_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # scale: log2(e) / sqrt(D)
         # key 0 is visible to every row, so no row's maximum stays -inf after the first tile
         visible = ((offs_n[None, :] <= offs_m[:, None]) | (in_prefix & (offs_n[None, :] < prefix))) & n_mask[None, :]
@@ -84,11 +86,11 @@ def prefill_attention(q, k, v, k_cache, v_cache, slots, work) -> torch.Tensor:
     int32 tensor. Stores k/v into the caches -> attention output [T, H, D]."""
     t, h, d = q.shape
     hkv = k.shape[1]
-    assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and k.stride(0) == v.stride(0) and h % hkv == 0
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and h % hkv == 0
     assert q.stride(1) == k.stride(1) == v.stride(1) == d and k_cache.is_contiguous() and v_cache.is_contiguous()
     out = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
     _prefill_attention_kernel[(work.numel() // 4, h)](
-        q, k, v, q.stride(0), k.stride(0), out, k_cache, v_cache, slots, work, 1.4426950408889634 * d ** -0.5, H=h,
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), out, k_cache, v_cache, slots, work, 1.4426950408889634 * d ** -0.5, H=h,
         HKV=hkv, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=WARPS, num_stages=STAGES)
     return out

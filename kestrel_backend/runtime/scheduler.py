@@ -1,7 +1,8 @@
 """Continuous batching on the engine thread.
 
 Each step prefills the whole prompt of every newly admitted sequence (one forward over a flat token
-list; its attention one Triton kernel per layer on a GPU, torch elsewhere), then runs one decode forward over one input of every running sequence (a
+list; its attention one Triton kernel per layer on a GPU, torch elsewhere; one sequence alone: a CUDA graph on
+a GPU), then runs one decode forward over one input of every running sequence (a
 CUDA graph on a GPU), then chooses all their tokens at once. Sequences join between steps and leave
 as soon as they finish, fail or are cancelled; their KV pages go back to the free list.
 """
@@ -36,6 +37,15 @@ def make_attention(cache: PagedKVCache):
     return PrefillAttention(cache)
 
 
+def make_one_sequence_prefill(model: Moondream, cache: PagedKVCache, max_context: int):
+    """CUDA graphs for prefill steps of one sequence on a GPU; None elsewhere."""
+    if model.device.type != "cuda":
+        return None
+    from .prefill_graphs import OneSequencePrefill
+
+    return OneSequencePrefill(model, cache, max_context)
+
+
 def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int):
     """CUDA graphs of the fused Triton decode kernels on a GPU; None (torch attention) elsewhere."""
     if model.device.type != "cuda":
@@ -47,13 +57,14 @@ def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_cont
 
 class Scheduler:
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
-                 decoder=None):
+                 decoder=None, one_sequence_prefill=None):
         self.model = model
         self.cache = cache
         self.images = image_cache
         self.max_batch_size = max_batch_size
         self.attention = make_attention(cache)
         self.decoder = decoder
+        self.one_sequence_prefill = one_sequence_prefill  # graphs for a prefill step of one sequence, or None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wake = asyncio.Event()
@@ -225,6 +236,11 @@ class Scheduler:
                 pieces.append(torch.cat([seq.next_input, x], dim=0) if seq.prefix_len else x)
         else:
             pieces = list(self._inputs(seqs)[:, None, :])
+        if prefill and len(seqs) == 1 and seqs[0].length == 0 and self.one_sequence_prefill is not None:
+            seq, x = seqs[0], pieces[0]
+            logits, last = self.one_sequence_prefill.run(x, SeqSlice(seq.id, 0, x.shape[0], 0, seq.prefix_len, None))
+            seq.length += x.shape[0]
+            return logits, last
         slices, start = [], 0
         for seq, x in zip(seqs, pieces):
             positions = torch.arange(seq.length, seq.length + x.shape[0], device=m.device)
