@@ -2,6 +2,8 @@
 
     python benchmarks/soak.py --url localhost:8001 --metrics http://localhost:8002/metrics \\
         --image tests/fixtures/md2-tiny/images/small.png --duration 600 --concurrency 16 [--pid PID]
+    python benchmarks/soak.py --serve-random-weights --image query.jpg ...   (starts tritonserver itself, as
+        triton_bench does, on full-size random bf16 weights; stops it at the end and reports how it exited)
 
 Reports requests, outcomes and errors by kind, p50/p95 latency, and memory over time (RSS of --pid and
 its children, and the engine's KV pages in use from the metrics endpoint); writes the report as JSON.
@@ -98,6 +100,34 @@ async def soak(args) -> dict:
     }
 
 
+def soak_own_server(args) -> dict:
+    """The soak against a tritonserver started here on random full-size weights (triton_bench's way)."""
+    import tempfile
+
+    from benchmarks.triton_bench import start_server, wait_ready, write_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "checkpoint").mkdir()
+        write_checkpoint(folder / "checkpoint")
+        with open(folder / "tritonserver.log", "w") as log:
+            server = start_server(folder / "checkpoint", folder / "runtime", max(args.concurrency, 64),
+                                  (8100, 8101, 8102), log)
+            try:
+                wait_ready("localhost:8101", server, 600)
+                args.url, args.metrics, args.pid = "localhost:8101", "http://localhost:8102/metrics", server.pid
+                report = asyncio.run(soak(args))
+            finally:
+                t0 = time.time()
+                server.terminate()
+                try:
+                    server.wait(90)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+        report["server_exit"] = {"code": server.returncode, "seconds": round(time.time() - t0, 1)}
+        return report
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--url", default="localhost:8001")
@@ -110,11 +140,17 @@ def main() -> int:
     p.add_argument("--sample-every", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="soak_report.json")
+    p.add_argument("--serve-random-weights", action="store_true", help="start (and stop) tritonserver here")
     args = p.parse_args()
-    report = asyncio.run(soak(args))
+    if args.serve_random_weights:
+        report = soak_own_server(args)
+    else:
+        report = asyncio.run(soak(args))
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"requests {report['requests']}  outcomes {report['outcomes']}  errors {report['errors_by_kind']}")
     print(f"latency p50 {report['latency_p50_s']} s  p95 {report['latency_p95_s']} s  kv pages used at end {report['kv_pages_used_at_end']}")
+    if "server_exit" in report:
+        print(f"server exit {report['server_exit']}")
     print("t_s  rss_mib  kv_pages_used  completed")
     for s in report["memory"]:
         print(f"{s['t_s']:>5} {s['rss_mib']} {s['kv_pages_used']} {s['completed']}")
