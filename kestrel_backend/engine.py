@@ -76,8 +76,10 @@ class InferenceEngine:
         decoder = make_decoder(model, self.kv, config.max_batch_size, self.max_context)
         if decoder is not None:
             decoder.warmup()  # capture every batch-size bucket now, not under the first requests
-        self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder,
-                                   make_one_sequence_prefill(model, self.kv, self.max_context))
+        one_sequence_prefill = make_one_sequence_prefill(model, self.kv, self.max_context)
+        if one_sequence_prefill is not None:
+            one_sequence_prefill.warmup()
+        self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, one_sequence_prefill)
         if config.chaos_fail_after_steps:
             log.warning("KESTREL_CHAOS_FAIL_AFTER_STEPS=%d: every step after that many will fail (chaos testing)",
                         config.chaos_fail_after_steps)
