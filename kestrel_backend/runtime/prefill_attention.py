@@ -90,9 +90,9 @@ def prefill_attention(q, k, v, k_cache, v_cache, slots, work) -> torch.Tensor:
     assert q.stride(1) == k.stride(1) == v.stride(1) == d and k_cache.is_contiguous() and v_cache.is_contiguous()
     out = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
     _prefill_attention_kernel[(work.numel() // 4, h)](
-        q, k, v, q.stride(0), k.stride(0), v.stride(0), out, k_cache, v_cache, slots, work, 1.4426950408889634 * d ** -0.5, H=h,
-        HKV=hkv, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=WARPS, num_stages=STAGES)
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), out, k_cache, v_cache, slots, work,
+        1.4426950408889634 * d ** -0.5, H=h, HKV=hkv, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=WARPS, num_stages=STAGES)
     return out
 
 

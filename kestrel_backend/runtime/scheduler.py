@@ -1,9 +1,9 @@
 """Continuous batching on the engine thread.
 
 Each step prefills the whole prompt of every newly admitted sequence (one forward over a flat token
-list; its attention one Triton kernel per layer on a GPU, torch elsewhere; one sequence alone: a CUDA graph on
-a GPU), then runs one decode forward over one input of every running sequence (a
-CUDA graph on a GPU), then chooses all their tokens at once. Sequences join between steps and leave
+list; on a GPU its attention is one Triton kernel per layer, and one sequence alone replays a CUDA graph),
+then runs one decode forward over one input of every running sequence (a CUDA graph on a GPU), then
+chooses all their tokens at once. Sequences join between steps and leave
 as soon as they finish, fail or are cancelled; their KV pages go back to the free list.
 """
 
@@ -116,8 +116,6 @@ class Scheduler:
                 outputs = []
                 if new:  # prefill: whole prompts
                     outputs.append((new, *self._forward_flat(new, prefill=True), None))
-                    for seq in new:
-                        seq.prefill_ms = (time.perf_counter() - t0) * 1000
                 t1 = time.perf_counter()
                 if decoding:  # one input per running sequence (next step's alike unless sequences join now)
                     outputs.append((decoding, *self._decode(decoding, launch_ahead=not new)))
@@ -125,6 +123,8 @@ class Scheduler:
                 chosen = [choose_tokens(logits, [seq.generation.choice() for seq in seqs], greedy)
                           for seqs, logits, _, greedy in outputs]
                 t3 = time.perf_counter()
+                for seq in new:  # until its first token is chosen: the GPU runs the prefill asynchronously
+                    seq.prefill_ms = (t3 - t0) * 1000
                 self._chosen = {}
                 for (seqs, _, hidden, _), tokens in zip(outputs, chosen):
                     for seq, token, h in zip(seqs, tokens, hidden):
