@@ -320,6 +320,12 @@ def vision_bench(model: Moondream, rate: float, compiled: bool = False, n: int =
             "floor_ms_per_crop": floor / n, "ratio": ms / floor}
 
 
+def fresh_queries(n: int, length: int, prefix: int) -> list[SeqSlice]:
+    """A prefill step's slices: n fresh sequences (sequence ids 0..n-1) of `length` tokens, `prefix` of them
+    the image's, one after another in the step's rows."""
+    return [SeqSlice(i, i * length, (i + 1) * length, 0, prefix, torch.arange(length, device="cuda")) for i in range(n)]
+
+
 def prefill_bench(model: Moondream, rate: float, n: int, prompt: int = 12) -> list[dict]:
     """A prefill step of n fresh image queries (730 prefix + prompt tokens each), with the torch attention path
     and with the engine's (make_attention: the Triton kernel on a GPU; for one sequence, also the engine's CUDA
@@ -337,8 +343,7 @@ def prefill_bench(model: Moondream, rate: float, n: int, prompt: int = 12) -> li
     rows = []
     for name, attention in (("torch attention", TorchPagedAttention(cache)), ("engine", make_attention(cache))):
         def step():
-            slices = [SeqSlice(i, i * length, (i + 1) * length, 0, prefix, torch.arange(length, device="cuda"))
-                      for i in range(n)]
+            slices = fresh_queries(n, length, prefix)
             attention.plan(slices)
             return model.logits(model.forward(x, torch.cat([s.positions for s in slices]), attention)[
                 [s.end - 1 for s in slices]])

@@ -14,10 +14,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gpu_bench import fresh_queries  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
-from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention  # noqa: E402
+from kestrel_backend.runtime.attention import TorchPagedAttention  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.scheduler import make_attention  # noqa: E402
 
@@ -32,7 +33,7 @@ def main(n: int = 16, prompt: int = 12) -> None:
     x = torch.randn(n * length, config.text.dim, device="cuda", dtype=torch.bfloat16)
 
     def step(attention):
-        slices = [SeqSlice(i, i * length, (i + 1) * length, 0, 730, torch.arange(length, device="cuda")) for i in range(n)]
+        slices = fresh_queries(n, length, 730)
         attention.plan(slices)
         hidden = model.forward(x, torch.cat([s.positions for s in slices]), attention)
         return model.logits(hidden[[s.end - 1 for s in slices]])

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import graph_timed  # noqa: E402
+from benchmarks.gpu_bench import fresh_queries, graph_timed  # noqa: E402
 from kestrel_backend.model.config import TextConfig  # noqa: E402
 from kestrel_backend.runtime import prefill_attention as pa  # noqa: E402
-from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention  # noqa: E402
+from kestrel_backend.runtime.attention import TorchPagedAttention  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 
 TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 64, 4, 2),
@@ -26,10 +26,9 @@ def main() -> None:
     h, d, prefix, length = cfg.n_heads, cfg.head_dim, cfg.prefix_attn, cfg.prefix_attn + 12
     for n in (1, 4, 16):
         cache = PagedKVCache(cfg, n * -(-length // 16), 16, "cuda", torch.bfloat16)
-        slices = []
         for i in range(n):
             cache.allocate(i, length)
-            slices.append(SeqSlice(i, i * length, (i + 1) * length, 0, prefix, torch.arange(length, device="cuda")))
+        slices = fresh_queries(n, length, prefix)
         q, k, v = (t.view(-1, h, d) for t in torch.randn(n * length, 3 * h * d, device="cuda",
                                                           dtype=torch.bfloat16).split(h * d, 1))
         reference = TorchPagedAttention(cache)
