@@ -41,9 +41,7 @@ class OneSequencePrefill:
         dev, rows = model.device, -(-max_context // BUCKET) * BUCKET
         self.x = torch.zeros(rows, model.config.text.dim, device=dev, dtype=model.dtype)
         self.positions = torch.arange(rows, device=dev)
-        # padded rows' slots: the scratch page (graph warm-ups write their k/v there)
-        self.scratch = cache.scratch_page * cache.page_size + torch.arange(rows, device=dev) % cache.page_size
-        self.slots = self.scratch.clone()
+        self.slots = torch.zeros(rows, device=dev, dtype=torch.long)  # (the kernel reads those of real rows only)
         self.work = torch.zeros(4 * (rows // pa.BLOCK_M), device=dev, dtype=torch.int32)
         self.last = torch.zeros(1, device=dev, dtype=torch.long)
         self.logits = torch.zeros(1, model.config.text.vocab_size, device=dev, dtype=torch.float32)
@@ -87,7 +85,6 @@ class OneSequencePrefill:
         n = x.shape[0]
         rows = -(-n // BUCKET) * BUCKET
         self.x[:n].copy_(x)
-        self.slots[:rows].copy_(self.scratch[:rows])
         self.slots[:n].copy_(self.cache.slots(seq.seq_id, self.positions[:n]))
         # every query tile of the padded rows: those past n store nothing (their rows are masked)
         items = [v for tile in range(rows // pa.BLOCK_M) for v in (0, n, seq.prefix_len, tile)]
