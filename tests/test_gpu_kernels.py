@@ -180,7 +180,7 @@ def test_one_sequence_prefill_matches_the_flat_step(tiny_model):
     step.plan([SeqSlice(1, 0, n, 0, prefix, torch.arange(n))])
     hidden = tiny_model.forward(x, torch.arange(n), step)[-1:]
     prefill = OneSequencePrefill(tiny_model, caches[1], max_context=256)
-    logits, last = prefill.run(x, SeqSlice(1, 0, n, 0, prefix, None))
+    logits, last = prefill.run(x, 1, prefix)
     assert rel_err(last, hidden) < 1e-5 and rel_err(logits, tiny_model.logits(hidden)) < 1e-5
     assert rel_err(caches[1].k, caches[0].k) < 1e-6 and rel_err(caches[1].v, caches[0].v) < 1e-6
     others = torch.ones(caches[1].k.shape[1], dtype=torch.bool)

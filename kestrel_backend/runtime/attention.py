@@ -40,9 +40,8 @@ class TorchPagedAttention:
         prefix attends to itself without a mask, batched with every other fresh prefix of that length
         (one fused-kernel call), and only its text tail needs a mask. Text-only fresh sequences are
         plainly causal. Continuing sequences read their pages back with the general mask."""
-        self.batch = batch
+        self._plan_writes(batch)
         dev = batch[0].positions.device
-        self._write_slots = torch.cat([self.cache.slots(s.seq_id, s.positions) for s in batch])
         self._read, prefix_rows = [], {}
         for s in batch:
             n = s.end - s.start
@@ -56,6 +55,11 @@ class TorchPagedAttention:
                 keys = torch.arange(s.first_pos + n, device=dev)
                 self._read.append((self.cache.slots(s.seq_id, keys), attention_mask(s.positions, keys, s.prefix_len)))
         self._prefixes = {p: torch.cat(rows).to(dev) for p, rows in prefix_rows.items()}
+
+    def _plan_writes(self, batch: list[SeqSlice]) -> None:
+        """The step's sequences and the cache rows their new k/v go to."""
+        self.batch = batch
+        self._write_slots = torch.cat([self.cache.slots(s.seq_id, s.positions) for s in batch])
 
     def __call__(self, layer: int, q, k, v):
         kc, vc = self.cache.k[layer], self.cache.v[layer]

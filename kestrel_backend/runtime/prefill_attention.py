@@ -106,10 +106,8 @@ class PrefillAttention(TorchPagedAttention):
         self._work = None
         if any(s.first_pos != 0 for s in batch):
             return super().plan(batch)
-        self.batch = batch
-        dev = batch[0].positions.device
-        self._write_slots = torch.cat([self.cache.slots(s.seq_id, s.positions) for s in batch])
-        self._work = torch.tensor(work_items(batch), dtype=torch.int32).to(dev, non_blocking=True)
+        self._plan_writes(batch)
+        self._work = torch.tensor(work_items(batch), dtype=torch.int32).to(batch[0].positions.device)
 
     def __call__(self, layer: int, q, k, v):
         if self._work is None:

@@ -13,7 +13,6 @@ import torch
 
 from ..model.moondream import Moondream
 from . import prefill_attention as pa
-from .attention import SeqSlice
 from .kv_cache import PagedKVCache
 
 BUCKET = 64  # rows: a multiple of the attention kernel's query tile
@@ -32,8 +31,8 @@ class _BucketAttention:
 
 
 class OneSequencePrefill:
-    """run(x, seq) -> (logits [1, vocab] float32, last hidden [1, dim]): views of static buffers, valid
-    until the next run. On a CPU (tests) the same padded forward runs eagerly."""
+    """run(x, seq_id, prefix_len) -> (logits [1, vocab] float32, last hidden [1, dim]): views of static
+    buffers, valid until the next run. On a CPU (tests) the same padded forward runs eagerly."""
 
     def __init__(self, model: Moondream, cache: PagedKVCache, max_context: int):
         assert BUCKET % pa.BLOCK_M == 0
@@ -79,15 +78,15 @@ class OneSequencePrefill:
                 if rows <= self.x.shape[0]:
                     self._graph(rows)  # (work items all empty here: nothing attended, nothing stored)
 
-    def run(self, x: torch.Tensor, seq: SeqSlice):
-        """x [n, dim]: the inputs of a fresh sequence (seq.first_pos 0, rows from 0), whose k/v go to its
-        pages."""
+    def run(self, x: torch.Tensor, seq_id: int, prefix_len: int):
+        """x [n, dim]: every input of a fresh sequence (positions from 0; prefix_len of them its image's), whose
+        k/v go to its pages."""
         n = x.shape[0]
         rows = -(-n // BUCKET) * BUCKET
         self.x[:n].copy_(x)
-        self.slots[:n].copy_(self.cache.slots(seq.seq_id, self.positions[:n]))
+        self.slots[:n].copy_(self.cache.slots(seq_id, self.positions[:n]))
         # every query tile of the padded rows: those past n store nothing (their rows are masked)
-        items = [v for tile in range(rows // pa.BLOCK_M) for v in (0, n, seq.prefix_len, tile)]
+        items = [v for tile in range(rows // pa.BLOCK_M) for v in (0, n, prefix_len, tile)]
         self.work[:len(items)].copy_(torch.tensor(items, dtype=torch.int32))
         self.last.fill_(n - 1)
         if self.x.is_cuda:

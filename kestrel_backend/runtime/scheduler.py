@@ -238,7 +238,7 @@ class Scheduler:
             pieces = list(self._inputs(seqs)[:, None, :])
         if prefill and len(seqs) == 1 and seqs[0].length == 0 and self.one_sequence_prefill is not None:
             seq, x = seqs[0], pieces[0]
-            logits, last = self.one_sequence_prefill.run(x, SeqSlice(seq.id, 0, x.shape[0], 0, seq.prefix_len, None))
+            logits, last = self.one_sequence_prefill.run(x, seq.id, seq.prefix_len)
             seq.length += x.shape[0]
             return logits, last
         slices, start = [], 0
