@@ -102,30 +102,14 @@ async def soak(args) -> dict:
 
 def soak_own_server(args) -> dict:
     """The soak against a tritonserver started here on random full-size weights (triton_bench's way)."""
-    import tempfile
+    from benchmarks.triton_bench import served
 
-    from benchmarks.triton_bench import start_server, wait_ready, write_checkpoint
-
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        (folder / "checkpoint").mkdir()
-        write_checkpoint(folder / "checkpoint")
-        with open(folder / "tritonserver.log", "w") as log:
-            server = start_server(folder / "checkpoint", folder / "runtime", max(args.concurrency, 64),
-                                  (8100, 8101, 8102), log)
-            try:
-                wait_ready("localhost:8101", server, 600)
-                args.url, args.metrics, args.pid = "localhost:8101", "http://localhost:8102/metrics", server.pid
-                report = asyncio.run(soak(args))
-            finally:
-                t0 = time.time()
-                server.terminate()
-                try:
-                    server.wait(90)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-        report["server_exit"] = {"code": server.returncode, "seconds": round(time.time() - t0, 1)}
-        return report
+    stopped = {}
+    with served(max(args.concurrency, 64), (8100, 8101, 8102), stopped=stopped) as (server, _):
+        args.url, args.metrics, args.pid = "localhost:8101", "http://localhost:8102/metrics", server.pid
+        report = asyncio.run(soak(args))
+    report["server_exit"] = stopped
+    return report
 
 
 def main() -> int:

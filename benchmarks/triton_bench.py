@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
@@ -69,6 +70,35 @@ def wait_ready(url: str, server: subprocess.Popen, timeout: float, model: str = 
             pass
         time.sleep(1)
     raise SystemExit(f"the model was not ready within {timeout} s")
+
+
+@contextlib.contextmanager
+def served(max_batch: int, ports: tuple[int, int, int], checkpoint: Path | None = None, log_path: Path | None = None,
+           ready_timeout: float = 600, stop_timeout: float = 90, stopped: dict | None = None):
+    """tritonserver serving `checkpoint` (default: full-size random bf16 weights written to a temporary folder)
+    -> (the server process, seconds until the model was ready). On leaving, it is told to stop and killed if it
+    has not within stop_timeout; `stopped` gets its exit code, how long stopping took and whether it was killed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        if checkpoint is None:
+            checkpoint = folder / "checkpoint"
+            checkpoint.mkdir()
+            write_checkpoint(checkpoint)
+        with open(log_path or folder / "tritonserver.log", "w") as log:
+            server = start_server(checkpoint, folder / "runtime", max_batch, ports, log)
+            try:
+                yield server, wait_ready(f"localhost:{ports[1]}", server, ready_timeout)
+            finally:
+                t0, killed = time.time(), False
+                server.terminate()
+                try:
+                    server.wait(stop_timeout)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server.wait()
+                    killed = True
+                if stopped is not None:
+                    stopped.update(code=server.returncode, seconds=round(time.time() - t0, 1), killed=killed)
 
 
 SERVER_SUMS = {"kestrel_time_to_first_token_seconds_sum": "engine_ttft_s", "kestrel_time_to_first_token_seconds_count":
@@ -145,29 +175,20 @@ def main() -> int:
     images = query_images()
     ports = (args.grpc_port - 1, args.grpc_port, args.grpc_port + 1)  # http, grpc, metrics
     url, metrics_url = f"localhost:{ports[1]}", f"http://localhost:{ports[2]}/metrics"
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        checkpoint = args.checkpoint or folder / "checkpoint"
-        if not args.checkpoint:
-            checkpoint.mkdir()
-            write_checkpoint(checkpoint)
-        log_path = args.log or folder / "tritonserver.log"
-        with open(log_path, "w") as log:
-            server = start_server(checkpoint, folder / "runtime", max(args.concurrency), ports, log)
-            try:
-                ready_s = wait_ready(url, server, args.ready_timeout)
-                print(f"model ready after {ready_s:.1f} s", flush=True)
-                biggest = max(args.concurrency)
-                asyncio.run(level(url, images, biggest, biggest, args.max_tokens))  # warm-up: graphs, image cache
-                rows = []
-                for c in args.concurrency:
-                    before = server_sums(metrics_url)
-                    rows.append(asyncio.run(level(url, images, c, 2 * c, args.max_tokens)))
-                    time.sleep(1.5)  # (Triton refreshes its metrics about every second)
-                    rows[-1].update(server_means(before, server_sums(metrics_url)))
-            finally:
-                server.terminate()
-                server.wait(60)
+    stopped = {}
+    with served(max(args.concurrency), ports, args.checkpoint, args.log, args.ready_timeout, stop_timeout=60,
+                stopped=stopped) as (_, ready_s):
+        print(f"model ready after {ready_s:.1f} s", flush=True)
+        biggest = max(args.concurrency)
+        asyncio.run(level(url, images, biggest, biggest, args.max_tokens))  # warm-up: graphs, image cache
+        rows = []
+        for c in args.concurrency:
+            before = server_sums(metrics_url)
+            rows.append(asyncio.run(level(url, images, c, 2 * c, args.max_tokens)))
+            time.sleep(1.5)  # (Triton refreshes its metrics about every second)
+            rows[-1].update(server_means(before, server_sums(metrics_url)))
+    if stopped["killed"]:
+        raise SystemExit(f"tritonserver did not stop within 60 s, killed ({stopped})")
     print("| concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | server: engine TTFT ms | "
           "Triton queue ms | Triton input ms |\n" + "| --- " * 9 + "|")
     for r in rows:
