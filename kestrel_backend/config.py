@@ -31,6 +31,7 @@ class RuntimeConfig:
     kv_pages: int = 0  # 0: enough for max_batch_size full contexts
     max_context: int = 0  # 0: the model's context
     image_cache_size: int = 64
+    prefix_cache_size: int = 64  # image prefixes whose KV pages outlive their request (0: off)
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 50_000_000
     max_objects: int = 150
@@ -41,6 +42,7 @@ class RuntimeConfig:
         "device": "KESTREL_DEVICE", "dtype": "KESTREL_DTYPE", "max_batch_size": "KESTREL_MAX_BATCH_SIZE",
         "max_queue": "KESTREL_MAX_QUEUE", "page_size": "KESTREL_PAGE_SIZE", "kv_pages": "KESTREL_KV_PAGES",
         "max_context": "KESTREL_MAX_CONTEXT", "image_cache_size": "KESTREL_IMAGE_CACHE_SIZE",
+        "prefix_cache_size": "KESTREL_PREFIX_CACHE_SIZE",
         "max_image_bytes": "KESTREL_MAX_IMAGE_BYTES", "max_image_pixels": "KESTREL_MAX_IMAGE_PIXELS",
         "max_objects": "KESTREL_MAX_OBJECTS", "chaos_fail_after_steps": "KESTREL_CHAOS_FAIL_AFTER_STEPS",
     }
@@ -73,9 +75,9 @@ class RuntimeConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.ENV[name]} must be at least 1, got {getattr(self, name)}")
-        for name in ("kv_pages", "max_context", "chaos_fail_after_steps"):
+        for name in ("kv_pages", "max_context", "prefix_cache_size", "chaos_fail_after_steps"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"{self.ENV[name]} must be 0 (automatic) or positive, got {getattr(self, name)}")
+                raise ConfigError(f"{self.ENV[name]} must be 0 or positive, got {getattr(self, name)}")
         if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"KESTREL_DEVICE must be cuda or cpu, got {self.device!r}")
         if self.dtype not in ("",) + DTYPES:

@@ -79,7 +79,8 @@ class InferenceEngine:
         one_sequence_prefill = make_one_sequence_prefill(model, self.kv, self.max_context)
         if one_sequence_prefill is not None:
             one_sequence_prefill.warmup()
-        self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, one_sequence_prefill)
+        self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, one_sequence_prefill,
+                                   config.prefix_cache_size)
         if config.chaos_fail_after_steps:
             log.warning("KESTREL_CHAOS_FAIL_AFTER_STEPS=%d: every step after that many will fail (chaos testing)",
                         config.chaos_fail_after_steps)
@@ -129,7 +130,9 @@ class InferenceEngine:
     # --- counts for metrics ---
     def stats(self) -> dict:
         s = self.scheduler
-        return {"pages_total": self.kv.num_pages, "pages_used": self.kv.pages_used, "pages_free": self.kv.pages_free,
+        cached = s.prefixes.idle_pages  # held by the prefix cache alone: taken back when admission needs them
+        return {"pages_total": self.kv.num_pages, "pages_used": self.kv.pages_used - cached, "pages_cached": cached,
+                "pages_free": self.kv.pages_free, "prefix_hits": s.prefix_hits,
                 "queue_depth": self._queue_depth, "running": len(s.running),
                 "images_encoded": s.images_encoded, "images_cached": len(self.images), "steps": s.steps,
                 "step_phase_seconds": dict(s.phase_s)}

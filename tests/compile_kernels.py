@@ -83,7 +83,7 @@ def launch_everything() -> None:
             rope_qk_inplace(torch.zeros(m, 3 * cfg.dim, **f), cos, cos, 2 * h, d)  # (prefill)
         q = torch.zeros(64, 3 * h, d, **f)
         prefill_attention(q[:, :h], q[:, h:2 * h], q[:, 2 * h:], cache, cache, torch.zeros(64, dtype=torch.int64),
-                          torch.tensor([0, 64, 10, 0], dtype=torch.int32))
+                          torch.tensor([0, 64, 10, 0, 16, 0], dtype=torch.int32), torch.zeros(16, dtype=torch.int64))
         vision = torch.zeros(729, VisionConfig().enc_dim, **f)
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
 

@@ -7,6 +7,7 @@ import pytest
 
 from kestrel_backend.config import RuntimeConfig
 from kestrel_backend.engine import EngineError, EngineOverloaded, InferenceEngine, InvalidRequest, RequestCancelled
+from kestrel_backend.runtime.image_cache import image_key
 from kestrel_backend.runtime.sequence import Delivery, Sequence
 from kestrel_backend.skills.generation import Generation
 
@@ -18,6 +19,12 @@ def engine(tiny_dir):
     yield eng
     eng.shutdown()
     assert not eng._thread.is_alive()
+
+
+def no_request_holds_pages(engine) -> bool:
+    """Every KV page is free or kept by the prefix cache alone."""
+    s = engine.stats()
+    return s["pages_used"] == 0 and s["pages_free"] + s["pages_cached"] == s["pages_total"]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +78,7 @@ def test_batched_equals_alone_equals_golden(engine, tiny_dir, golden):
     for case, result in zip(cases, batched):
         _check_against_golden(engine, case, result)
         assert result.output == single[golden.index(case)].output
-    assert engine.kv.pages_free == engine.kv.num_pages
+    assert no_request_holds_pages(engine)
 
 
 def test_stream_chunks_join_to_final_text(engine, tiny_dir):
@@ -147,7 +154,7 @@ def test_pages_all_free_after_finished_failed_and_cancelled(engine, tiny_dir):
     assert isinstance(results[4], InvalidRequest) and "IMAGE" in str(results[4])
     assert isinstance(results[5], InvalidRequest) and "top_p" in str(results[5])
     assert all(isinstance(c, RequestCancelled) for c in cancelled)
-    assert engine.kv.pages_free == engine.kv.num_pages
+    assert no_request_holds_pages(engine)
     assert engine.stats()["running"] == 0 and engine.stats()["queue_depth"] == 0
 
 
@@ -165,7 +172,7 @@ def test_fault_in_a_step_fails_that_batch_and_engine_keeps_serving(engine):
     failed, ok = asyncio.run(run())
     assert isinstance(failed, EngineError) and "injected device fault" in str(failed)
     assert ok.finish_reason in ("stop", "length")
-    assert engine.kv.pages_free == engine.kv.num_pages
+    assert no_request_holds_pages(engine)
 
 
 def test_repeated_step_failures_mark_the_engine_unhealthy(tiny_dir):
@@ -184,7 +191,7 @@ def test_repeated_step_failures_mark_the_engine_unhealthy(tiny_dir):
         for _ in range(3):
             assert all(isinstance(r, EngineError) for r in asyncio.run(run()))
         assert not eng.healthy
-        assert eng.kv.pages_free == eng.kv.num_pages
+        assert no_request_holds_pages(eng)
     finally:
         eng.shutdown()
 
@@ -202,7 +209,7 @@ def test_overload_rejects_only_the_excess(tiny_dir):
         done = [r for r in results if not isinstance(r, Exception)]
         assert errors and all(isinstance(e, EngineOverloaded) and "overloaded" in str(e) for e in errors)
         assert 3 <= len(done) <= 3 + 1 + 2  # queue + running, give or take steps that ran in between
-        assert eng.kv.pages_free == eng.kv.num_pages
+        assert no_request_holds_pages(eng)
     finally:
         eng.shutdown()
 
@@ -250,3 +257,79 @@ def test_shutdown_ends_in_flight_requests_with_an_error(tiny_dir):
     asyncio.run(run())
     assert not eng._thread.is_alive()
     assert not [t for t in eng._decoders._threads if t.is_alive()]  # no thread left behind
+
+
+def test_prefix_cache_pages_are_shared_and_given_back():
+    import torch
+
+    from kestrel_backend.model.config import TextConfig
+    from kestrel_backend.runtime.kv_cache import PagedKVCache
+    from kestrel_backend.runtime.prefix_cache import PrefixCache
+
+    kv = PagedKVCache(TextConfig(dim=8, ff_dim=16, n_layers=1, n_heads=1, n_kv_heads=1), 10, 16, "cpu", torch.float32)
+    prefixes = PrefixCache(kv, capacity=2)
+    kv.allocate(1, 40)
+    prefixes.insert("a", kv.tables[1], prefix_len=35)  # two whole pages of the prefix
+    kv.free(1)
+    assert (kv.pages_free, prefixes.idle_pages) == (8, 2)
+    shared = prefixes.lookup("a")
+    kv.allocate(2, 40, shared)
+    assert kv.tables[2][:2] == shared and (kv.pages_free, prefixes.idle_pages) == (7, 0)
+    prefixes.reclaim(10)  # lets go of "a"; its pages stay with sequence 2
+    assert (len(prefixes), kv.pages_free) == (0, 7)
+    kv.free(2)
+    assert kv.pages_free == 10
+    for key, sid in (("a", 3), ("b", 4), ("c", 5)):  # over capacity: the least recently used goes
+        kv.allocate(sid, 40)
+        prefixes.insert(key, kv.tables[sid], prefix_len=35)
+        kv.free(sid)
+    assert prefixes.lookup("a") == [] and len(prefixes) == 2 and kv.pages_free == 6
+    prefixes.reclaim(8, keep="c")
+    assert len(prefixes) == 1 and prefixes.lookup("c") and kv.pages_free == 8
+
+
+def test_requests_on_one_image_share_its_prefix_pages(tiny_dir):
+    """A request on an image seen before takes its prefix's KV pages from the prefix cache and answers the
+    same; under page pressure the least recently used prefix gives its pages up; a cancelled request
+    leaves the shared pages with the cache."""
+    import numpy as np
+    import pyvips
+
+    def image(seed):
+        pixels = np.random.default_rng(seed).integers(0, 256, (120, 160, 3), dtype=np.uint8)
+        return pyvips.Image.new_from_array(pixels).pngsave_buffer()
+
+    a, b, c = image(1), image(2), image(3)
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               max_batch_size=2, kv_pages=100))  # room for two image requests
+    try:
+        async def ask(img, max_tokens=8):
+            return await eng.query(img, "What is this?", settings={"temperature": 0, "max_tokens": max_tokens})
+
+        first = asyncio.run(ask(a))
+        prefix_pages = eng.stats()["pages_cached"]
+        assert prefix_pages == 730 // 16 and eng.stats()["prefix_hits"] == 0
+        again = asyncio.run(ask(a))
+        assert again.output == first.output and eng.stats()["prefix_hits"] == 1
+        assert again.metrics["input_tokens"] == first.metrics["input_tokens"]
+
+        asyncio.run(ask(b))
+        assert eng.stats()["pages_cached"] == 2 * prefix_pages
+        asyncio.run(ask(c))  # needs more pages than are free: a's prefix, the least recently used, goes
+        assert eng.stats()["pages_cached"] == 2 * prefix_pages and eng.scheduler.prefixes.lookup(image_key(a)) == []
+
+        async def cancelled_midway():
+            stream = await eng.query(b, "Describe it.", stream=True, settings={"max_tokens": 200})
+            async for _ in stream:
+                break
+            stream.cancel()
+            with pytest.raises(RequestCancelled):
+                await stream.result()
+
+        asyncio.run(cancelled_midway())  # a long request: c's prefix makes room for it, b's stays
+        assert eng.stats()["prefix_hits"] == 2 and eng.stats()["pages_cached"] == prefix_pages
+        assert eng.scheduler.prefixes.lookup(image_key(c)) == [] and eng.scheduler.prefixes.lookup(image_key(b))
+        assert asyncio.run(ask(b)).finish_reason in ("stop", "length") and eng.stats()["prefix_hits"] == 3
+        assert no_request_holds_pages(eng)
+    finally:
+        eng.shutdown()

@@ -127,7 +127,9 @@ def test_rope_kernel_matches_the_torch_rope(tokens, heads):
 @pytest.mark.parametrize("block_m, block_n", [(64, 64), (128, 32)])
 def test_prefill_attention_matches_the_torch_path(block_m, block_n, monkeypatch):
     """The GPU prefill kernel against TorchPagedAttention: image prefixes crossing a tile boundary and
-    longer than it, text-only sequences, grouped-query heads; the same outputs and cache rows."""
+    longer than it, text-only sequences, grouped-query heads, and sequences whose first positions are in
+    the cache already (an image prefix shared in part or in whole, a text continuation); the same outputs
+    and cache rows."""
     from kestrel_backend.runtime import prefill_attention as pa
     from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention
     from kestrel_backend.runtime.kv_cache import PagedKVCache
@@ -137,15 +139,19 @@ def test_prefill_attention_matches_the_torch_path(block_m, block_n, monkeypatch)
     monkeypatch.setattr(pa, "BLOCK_N", block_n)
     cfg = TextConfig(dim=64, ff_dim=128, n_layers=2, n_heads=4, n_kv_heads=2)  # head_dim 16
     g = torch.Generator().manual_seed(0)
-    seqs = [(79, 70), (5, 0), (133, 3), (64, 0)]  # (tokens, image prefix)
-    caches = [PagedKVCache(cfg, 64, 16, "cpu", torch.float32) for _ in range(2)]
-    slices, start = [], 0
-    for sid, (n, prefix) in enumerate(seqs):
-        for cache in caches:
-            cache.allocate(sid, n + 3)
-        slices.append(SeqSlice(sid, start, start + n, 0, prefix, torch.arange(n)))
-        start += n
     d, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    seqs = [(79, 70, 0), (5, 0, 0), (133, 3, 0), (64, 0, 0), (20, 70, 64), (40, 150, 144), (7, 0, 30)]  # (rows, prefix, cached)
+    caches = [PagedKVCache(cfg, 128, 16, "cpu", torch.float32) for _ in range(2)]
+    cached_k = torch.randn(caches[0].k.shape, generator=g)
+    cached_v = torch.randn(caches[0].v.shape, generator=g)
+    slices, start = [], 0
+    for sid, (n, prefix, cached) in enumerate(seqs):
+        for cache in caches:
+            cache.allocate(sid, cached + n + 3)
+            cache.k.copy_(cached_k)  # (every page: the cached positions' k/v, and rows the kernel must overwrite)
+            cache.v.copy_(cached_v)
+        slices.append(SeqSlice(sid, start, start + n, cached, prefix, torch.arange(cached, cached + n)))
+        start += n
     qkv = torch.randn(start, (h + 2 * hkv) * d, generator=g)
     q, k, v = qkv.split([h * d, hkv * d, hkv * d], 1)
     q, k, v = q.view(start, h, d), k.view(start, hkv, d), v.view(start, hkv, d)
@@ -154,17 +160,17 @@ def test_prefill_attention_matches_the_torch_path(block_m, block_n, monkeypatch)
         attention.plan(slices)
         outs.append(attention(1, q, k, v))
     assert rel_err(outs[1], outs[0]) < 1e-6
+    for s in slices:
+        rows = slice(s.start, s.end)
+        assert rel_err(outs[1][rows], outs[0][rows]) < 1e-6, s
     assert torch.equal(caches[1].k, caches[0].k) and torch.equal(caches[1].v, caches[0].v)
 
-    # a step with a continuing sequence (not fresh) takes the torch path
-    step = PrefillAttention(caches[1])
-    step.plan([SeqSlice(1, 0, 1, 5, 0, torch.tensor([5]))])
-    assert step._work is None
 
-
-def test_one_sequence_prefill_matches_the_flat_step(tiny_model):
+@pytest.mark.parametrize("cached", [0, 32])
+def test_one_sequence_prefill_matches_the_flat_step(tiny_model, cached):
     """The padded forward that the one-sequence prefill graphs capture (run eagerly here) against the flat
-    torch step: the same last hidden state and logits, the same cache rows, nothing stored elsewhere."""
+    torch step, for a fresh sequence and for one whose first pages hold part of its image prefix already:
+    the same last hidden state and logits, the same cache rows, nothing stored elsewhere."""
     from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention
     from kestrel_backend.runtime.kv_cache import PagedKVCache
     from kestrel_backend.runtime.prefill_graphs import OneSequencePrefill
@@ -172,19 +178,23 @@ def test_one_sequence_prefill_matches_the_flat_step(tiny_model):
     cfg = tiny_model.config.text
     caches = [PagedKVCache(cfg, 16, 16, "cpu", torch.float32) for _ in range(2)]
     n, prefix = 150, 40  # rows not a multiple of the bucket
+    g = torch.Generator().manual_seed(0)
+    cached_k, cached_v = torch.randn(caches[0].k[:, :cached].shape, generator=g), torch.randn(caches[0].v[:, :cached].shape, generator=g)
     for cache in caches:
         cache.allocate(0, 16)  # another sequence's pages: must stay untouched
-        cache.allocate(1, n + 5)
-    x = torch.randn(n, cfg.dim, generator=torch.Generator().manual_seed(0))
+        cache.allocate(1, cached + n + 5)
+        rows = cache.slots(1, torch.arange(cached))
+        cache.k[:, rows], cache.v[:, rows] = cached_k, cached_v
+    x = torch.randn(n, cfg.dim, generator=g)
     step = TorchPagedAttention(caches[0])
-    step.plan([SeqSlice(1, 0, n, 0, prefix, torch.arange(n))])
-    hidden = tiny_model.forward(x, torch.arange(n), step)[-1:]
+    step.plan([SeqSlice(1, 0, n, cached, prefix, torch.arange(cached, cached + n))])
+    hidden = tiny_model.forward(x, torch.arange(cached, cached + n), step)[-1:]
     prefill = OneSequencePrefill(tiny_model, caches[1], max_context=256)
-    logits, last = prefill.run(x, 1, prefix)
+    logits, last = prefill.run(x, 1, prefix, cached)
     assert rel_err(last, hidden) < 1e-5 and rel_err(logits, tiny_model.logits(hidden)) < 1e-5
     assert rel_err(caches[1].k, caches[0].k) < 1e-6 and rel_err(caches[1].v, caches[0].v) < 1e-6
     others = torch.ones(caches[1].k.shape[1], dtype=torch.bool)
-    others[caches[1].slots(1, torch.arange(n))] = False
+    others[caches[1].slots(1, torch.arange(cached + n))] = False
     assert not caches[1].k[:, others].any() and not caches[1].v[:, others].any()
 
 

@@ -1,6 +1,12 @@
-"""Paged KV cache: fixed-size pages, a free list, and a page table per sequence."""
+"""Paged KV cache: fixed-size pages, a free list, and a page table per sequence.
+
+Pages are reference-counted: a sequence's table may start with pages it shares (the image prefix of
+another request on the same image, held by the prefix cache); a page goes back to the free list when its
+last holder lets go."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -20,6 +26,7 @@ class PagedKVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._holders = [0] * num_pages
         self.tables: dict[int, list[int]] = {}
         self.table_tensors: dict[int, torch.Tensor] = {}  # the same, as int32 CPU tensors (graph inputs)
 
@@ -29,22 +36,39 @@ class PagedKVCache:
 
     @property
     def pages_used(self) -> int:
+        """Pages with a holder: a sequence or the prefix cache."""
         return self.num_pages - len(self._free)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def allocate(self, seq_id: int, tokens: int) -> None:
-        """Give seq_id enough pages for `tokens` positions (all at once: no preemption later)."""
-        need = self.pages_for(tokens)
+    def holders(self, page: int) -> int:
+        return self._holders[page]
+
+    def allocate(self, seq_id: int, tokens: int, shared: Sequence[int] = ()) -> None:
+        """Give seq_id enough pages for `tokens` positions (all at once: no preemption later), starting with
+        the `shared` pages, which hold its first positions already."""
+        need = self.pages_for(tokens) - len(shared)
         if need > len(self._free):
             raise OutOfPages(f"need {need} KV pages, {len(self._free)} free")
-        self.tables[seq_id] = [self._free.pop() for _ in range(need)]
-        self.table_tensors[seq_id] = torch.tensor(self.tables[seq_id], dtype=torch.int32)
+        pages = list(shared) + [self._free.pop() for _ in range(need)]
+        self.retain(pages)
+        self.tables[seq_id] = pages
+        self.table_tensors[seq_id] = torch.tensor(pages, dtype=torch.int32)
 
     def free(self, seq_id: int) -> None:
-        self._free.extend(reversed(self.tables.pop(seq_id, [])))
+        self.release(self.tables.pop(seq_id, []))
         self.table_tensors.pop(seq_id, None)
+
+    def retain(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self._holders[page] += 1
+
+    def release(self, pages: Sequence[int]) -> None:
+        for page in reversed(pages):
+            self._holders[page] -= 1
+            if self._holders[page] == 0:
+                self._free.append(page)
 
     def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache rows for these positions of a sequence."""

@@ -1,4 +1,4 @@
-"""Prefill steps of one fresh sequence as CUDA graphs, one per length bucket (the common ones captured at
+"""Prefill steps of one sequence as CUDA graphs, one per length bucket (the common ones captured at
 start-up, warmup(); the others on first use).
 
 A step that prefills one sequence is about 240 kernel launches for a few milliseconds of GPU work, so
@@ -27,11 +27,11 @@ class _BucketAttention:
     def __call__(self, layer: int, q, k, v):
         o = self.owner
         return pa.prefill_attention(q, k, v, o.cache.k[layer], o.cache.v[layer], o.slots[:self.rows],
-                                    o.work[:4 * (self.rows // pa.BLOCK_M)])
+                                    o.work[:pa.WORK_FIELDS * (self.rows // pa.BLOCK_M)], o.context)
 
 
 class OneSequencePrefill:
-    """run(x, seq_id, prefix_len) -> (logits [1, vocab] float32, last hidden [1, dim]): views of static
+    """run(x, seq_id, prefix_len, first_pos) -> (logits [1, vocab] float32, last hidden [1, dim]): views of static
     buffers, valid until the next run. On a CPU (tests) the same padded forward runs eagerly."""
 
     def __init__(self, model: Moondream, cache: PagedKVCache, max_context: int):
@@ -39,9 +39,10 @@ class OneSequencePrefill:
         self.model, self.cache = model, cache
         dev, rows = model.device, -(-max_context // BUCKET) * BUCKET
         self.x = torch.zeros(rows, model.config.text.dim, device=dev, dtype=model.dtype)
-        self.positions = torch.arange(rows, device=dev)
+        self.positions = torch.zeros(rows, device=dev, dtype=torch.long)
         self.slots = torch.zeros(rows, device=dev, dtype=torch.long)  # (the kernel reads those of real rows only)
-        self.work = torch.zeros(4 * (rows // pa.BLOCK_M), device=dev, dtype=torch.int32)
+        self.context = torch.zeros(rows, device=dev, dtype=torch.long)  # cache rows of the positions before x
+        self.work = torch.zeros(pa.WORK_FIELDS * (rows // pa.BLOCK_M), device=dev, dtype=torch.int32)
         self.last = torch.zeros(1, device=dev, dtype=torch.long)
         self.logits = torch.zeros(1, model.config.text.vocab_size, device=dev, dtype=torch.float32)
         self.hidden = torch.zeros(1, model.config.text.dim, device=dev, dtype=model.dtype)
@@ -78,15 +79,21 @@ class OneSequencePrefill:
                 if rows <= self.x.shape[0]:
                     self._graph(rows)  # (work items all empty here: nothing attended, nothing stored)
 
-    def run(self, x: torch.Tensor, seq_id: int, prefix_len: int):
-        """x [n, dim]: every input of a fresh sequence (positions from 0; prefix_len of them its image's), whose
-        k/v go to its pages."""
+    def run(self, x: torch.Tensor, seq_id: int, prefix_len: int, first_pos: int = 0):
+        """x [n, dim]: the inputs of a sequence from position first_pos on (the positions before it are in its
+        pages already; prefix_len positions from 0 are its image's), whose k/v go to its pages."""
         n = x.shape[0]
         rows = -(-n // BUCKET) * BUCKET
         self.x[:n].copy_(x)
-        self.slots[:n].copy_(self.cache.slots(seq_id, self.positions[:n]))
+        # (padded rows repeat the last position: one the rotary table has)
+        positions = torch.arange(first_pos, first_pos + rows, device=x.device).clamp_(max=first_pos + n - 1)
+        self.positions[:rows].copy_(positions)
+        self.slots[:n].copy_(self.cache.slots(seq_id, positions[:n]))
+        if first_pos:
+            self.context[:first_pos].copy_(self.cache.slots(seq_id, torch.arange(first_pos, device=x.device)))
         # every query tile of the padded rows: those past n store nothing (their rows are masked)
-        items = [v for tile in range(rows // pa.BLOCK_M) for v in (0, n, prefix_len, tile)]
+        prefix = max(prefix_len - first_pos, 0)
+        items = [v for tile in range(rows // pa.BLOCK_M) for v in (0, n, prefix, tile, first_pos, 0)]
         self.work[:len(items)].copy_(torch.tensor(items, dtype=torch.int32))
         self.last.fill_(n - 1)
         if self.x.is_cuda:

@@ -1,7 +1,8 @@
 """Continuous batching on the engine thread.
 
 Each step prefills the whole prompt of every newly admitted sequence (one forward over a flat token
-list; on a GPU its attention is one Triton kernel per layer, and one sequence alone replays a CUDA graph),
+list; on a GPU its attention is one Triton kernel per layer, and one sequence alone replays a CUDA graph;
+a sequence whose image prefix is in the prefix cache starts with those KV pages and prefills the rest),
 then runs one decode forward over one input of every running sequence (a CUDA graph on a GPU), then
 chooses all their tokens at once. Sequences join between steps and leave
 as soon as they finish, fail or are cancelled; their KV pages go back to the free list.
@@ -23,6 +24,7 @@ from ..skills.sampling import choose_tokens
 from .attention import SeqSlice, TorchPagedAttention
 from .image_cache import ImageCache
 from .kv_cache import PagedKVCache
+from .prefix_cache import PrefixCache
 from .sequence import EngineResult, Sequence, StreamChunk
 
 log = logging.getLogger("kestrel.scheduler")
@@ -57,10 +59,11 @@ def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_cont
 
 class Scheduler:
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
-                 decoder=None, one_sequence_prefill=None):
+                 decoder=None, one_sequence_prefill=None, prefix_cache_size: int = 0):
         self.model = model
         self.cache = cache
         self.images = image_cache
+        self.prefixes = PrefixCache(cache, prefix_cache_size)
         self.max_batch_size = max_batch_size
         self.attention = make_attention(cache)
         self.decoder = decoder
@@ -72,6 +75,7 @@ class Scheduler:
         self.steps = 0
         self.consecutive_failures = 0  # steps failing back to back: the device may be unusable
         self.images_encoded = 0
+        self.prefix_hits = 0  # sequences admitted with their image prefix's KV pages shared
         self.phase_s = {"prefill": 0.0, "decode": 0.0, "choose": 0.0, "advance": 0.0}  # where step time goes
         self.fault_injector = None  # tests and chaos runs: a callable run inside each step
         self._ahead = None  # a decode step launched before the last one's tokens were read (see _decode)
@@ -116,6 +120,7 @@ class Scheduler:
                 outputs = []
                 if new:  # prefill: whole prompts
                     outputs.append((new, *self._forward_flat(new, prefill=True), None))
+                    self._keep_prefixes(new)
                 t1 = time.perf_counter()
                 if decoding:  # one input per running sequence (next step's alike unless sequences join now)
                     outputs.append((decoding, *self._decode(decoding, launch_ahead=not new)))
@@ -146,13 +151,26 @@ class Scheduler:
         new = []
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if self.cache.pages_for(seq.capacity) > self.cache.pages_free:
-                break  # wait for pages; FIFO keeps big requests from starving
+            shared = self.prefixes.lookup(seq.image_key) if seq.image_key is not None else []
+            need = self.cache.pages_for(seq.capacity) - len(shared)
+            if need > self.cache.pages_free:
+                self.prefixes.reclaim(need, keep=seq.image_key)
+                if need > self.cache.pages_free:
+                    break  # wait for pages; FIFO keeps big requests from starving
             self.waiting.popleft()
-            self.cache.allocate(seq.id, seq.capacity)
+            self.cache.allocate(seq.id, seq.capacity, shared)
+            seq.length = seq.cached_tokens = len(shared) * self.cache.page_size
+            self.prefix_hits += bool(shared)
             self.running.append(seq)
             new.append(seq)
         return self._attach_images(new)
+
+    def _keep_prefixes(self, prefilled: list[Sequence]) -> None:
+        """Offer the image prefixes just written to the prefix cache (in stream order, later steps read them
+        after this one has written them)."""
+        for seq in prefilled:
+            if seq.image_key is not None and not seq.cached_tokens and seq.id in self.cache.tables:
+                self.prefixes.insert(seq.image_key, self.cache.tables[seq.id], seq.prefix_len)
 
     def _attach_images(self, seqs: list[Sequence]) -> list[Sequence]:
         """Image prefixes for newly admitted sequences: cached embeddings, else one batched encode."""
@@ -230,15 +248,15 @@ class Scheduler:
         """One forward over a flat token list (whole prompts, or one input each) through self.attention."""
         m = self.model
         pieces = []
-        if prefill:
+        if prefill:  # from the first position not in the cache yet
             for seq in seqs:
                 x = m.embed_tokens(seq.token_ids)
-                pieces.append(torch.cat([seq.next_input, x], dim=0) if seq.prefix_len else x)
+                pieces.append((torch.cat([seq.next_input, x], dim=0) if seq.prefix_len else x)[seq.length:])
         else:
             pieces = list(self._inputs(seqs)[:, None, :])
-        if prefill and len(seqs) == 1 and seqs[0].length == 0 and self.one_sequence_prefill is not None:
+        if prefill and len(seqs) == 1 and self.one_sequence_prefill is not None:
             seq, x = seqs[0], pieces[0]
-            logits, last = self.one_sequence_prefill.run(x, seq.id, seq.prefix_len)
+            logits, last = self.one_sequence_prefill.run(x, seq.id, seq.prefix_len, seq.length)
             seq.length += x.shape[0]
             return logits, last
         slices, start = [], 0

@@ -88,6 +88,7 @@ class Sequence:
     # filled by the scheduler
     prefix_len: int = 0
     length: int = 0  # positions written so far
+    cached_tokens: int = 0  # positions whose KV pages came from the prefix cache
     next_input: int | torch.Tensor | None = None
     streamed_tokens: int = 0
     t_submit: float = field(default_factory=time.perf_counter)

@@ -12,9 +12,10 @@ class TritonMetrics:
         self._tokens = MF("kestrel_output_tokens_total", "Output tokens (or objects) by skill", MF.COUNTER)
         self._ttft = MF("kestrel_time_to_first_token_seconds", "Time to first output", MF.HISTOGRAM)
         self._latency = MF("kestrel_request_latency_seconds", "End-to-end request latency", MF.HISTOGRAM)
-        gauges = MF("kestrel_engine_state", "Engine state: queue_depth, running, kv_pages_used, kv_pages_total", MF.GAUGE)
+        gauges = MF("kestrel_engine_state", "Engine state: queue_depth, running, kv_pages_used (by requests), "
+                    "kv_pages_cached (image prefixes kept for later requests), kv_pages_total", MF.GAUGE)
         self._gauges = {name: gauges.Metric(labels={"state": name})
-                        for name in ("queue_depth", "running", "kv_pages_used", "kv_pages_total")}
+                        for name in ("queue_depth", "running", "kv_pages_used", "kv_pages_cached", "kv_pages_total")}
         self._families = (self._requests, self._tokens, self._ttft, self._latency, gauges)
         self._metrics: dict = {}
 
@@ -37,4 +38,5 @@ class TritonMetrics:
         self._gauges["queue_depth"].set(stats["queue_depth"])
         self._gauges["running"].set(stats["running"])
         self._gauges["kv_pages_used"].set(stats["pages_used"])
+        self._gauges["kv_pages_cached"].set(stats["pages_cached"])
         self._gauges["kv_pages_total"].set(stats["pages_total"])
