@@ -127,15 +127,20 @@ def text_weight_bytes(config: MoondreamConfig) -> int:
     return 2 * (t.n_layers * per_layer + t.dim * t.vocab_size)
 
 
-def decode_steps(model: Moondream, batches, context: int, bandwidth: float, backend: str) -> list[dict]:
+def decode_steps(model: Moondream, batches, context: int, bandwidth: float, backend: str,
+                 sharing: int = 1) -> list[dict]:
     """One decode step (forward + LM head + greedy choice) for `batch` sequences holding about `context` tokens
-    each (context to context + 7: positions move on between steps, as in the engine)."""
+    each (context to context + 7: positions move on between steps, as in the engine). sharing > 1: groups of
+    that many sequences share the pages of a 730-token image prefix, as requests on one image do with the
+    prefix cache (the floor still counts every sequence's KV bytes)."""
     cfg = model.config.text
     rows = []
+    shared_pages = cfg.prefix_attn // 16
     for bsz in batches:
         cache = PagedKVCache(cfg, bsz * (-(-(context + 9) // 16)), 16, "cuda", torch.bfloat16)
         for i in range(bsz):
-            cache.allocate(i, context + 9)
+            first = i - i % sharing
+            cache.allocate(i, context + 9, cache.tables[first][:shared_pages] if i != first else ())
         cache.k.normal_()
         cache.v.normal_()
         x = torch.randn(bsz, cfg.dim, device="cuda", dtype=torch.bfloat16)
@@ -160,7 +165,8 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
             dk.PDL_ENABLED = True
         kv_bytes = bsz * (context + 4) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
         floor = (text_weight_bytes(model.config) + kv_bytes) / bandwidth * 1000
-        rows.append({"backend": backend, "batch": bsz, "context": context, "step_ms": ms, "floor_ms": floor,
+        rows.append({"backend": backend + (f", prefix shared by {sharing}" if sharing > 1 else ""), "batch": bsz,
+                     "context": context, "step_ms": ms, "floor_ms": floor,
                      "ratio": ms / floor, "tokens_per_s": bsz / ms * 1000})
         del cache
         torch.cuda.empty_cache()
@@ -297,8 +303,8 @@ def engine_golden_check() -> dict:
                 ok += len(r.output[key]) == len(c[key]) and all(
                     abs(o[k] - min(1.0, max(0.0, g[k]))) <= 1e-4 for o, g in zip(r.output[key], c[key]) for k in g)
         stats = engine.stats()
-        return {"engine_fp32_golden_equal": f"{ok}/{len(batch)}",
-                "pages_free_after": stats["pages_used"] == 0 and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"],
+        idle = stats["pages_used"] == 0 and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
+        return {"engine_fp32_golden_equal": f"{ok}/{len(batch)}", "pages_free_after": idle,
                 "prefix_hits": stats["prefix_hits"], "decode_steps_launched_ahead": dict(engine.scheduler.steps_ahead)}
     finally:
         engine.shutdown()
@@ -484,6 +490,9 @@ def main() -> int:
         few = [b for b in batches if b <= dk.GEMV_MAX_ROWS]  # (steps launched ahead need the GEMV form's greedy)
         for backend, sizes in (("graph", batches), ("graph-ahead", few), ("graph-no-pdl", few), ("torch", few)):
             rows += decode_steps(model, sizes, ctx, res["ceilings"]["copy_bandwidth_GBps"] * 1e9, backend)
+        if ctx > model.config.text.prefix_attn:  # sequences on 8 images, as the prefix cache has them
+            rows += decode_steps(model, [b for b in batches if b >= 16], ctx,
+                                 res["ceilings"]["copy_bandwidth_GBps"] * 1e9, "graph", sharing=8)
         res[f"decode_ctx{ctx}"] = rows
         print(f"\ndecode steps, context {ctx}\n" + table(rows), flush=True)
     res["vision"] = [vision_bench(model, res["ceilings"]["bf16_matmul_TFLOPs"] * 1e12, n=n) for n in (13, 52)]

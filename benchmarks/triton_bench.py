@@ -7,7 +7,9 @@ Writes a FULL-SIZE Moondream 2 checkpoint of random bf16 weights (with the fixtu
 temporary folder, starts tritonserver on model_repository/ with it (kestrel_backend.triton.local_server),
 and sends streaming queries (a 640x480 JPEG, greedy, max_tokens output tokens), each on its own gRPC
 stream (ModelStreamInfer, what async_stream_infer uses) over one channel, from one asyncio client
-(tritonclient.grpc.aio): a client of threads measured itself at 64 streams. TTFT is measured at the
+(tritonclient.grpc.aio; a client of threads measured itself at 64 streams), or with --client-processes N
+from N such clients, each in its own process with its share of the streams: one Python client receiving
+every streamed token can become the bottleneck, which its CPU share (reported) shows. TTFT is measured at the
 client: from sending the request to its first streamed chunk. Output tokens come from the final body's
 metrics. The server's side comes from its metrics endpoint, averaged over the level's requests: the
 engine's time to first token (from the request reaching the engine) and Triton's queue and input
@@ -20,12 +22,14 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -147,19 +151,41 @@ async def one_request(client, image: bytes, max_tokens: int) -> dict:
     return done
 
 
-async def level(url: str, images: list[bytes], concurrency: int, requests: int, max_tokens: int) -> dict:
-    """`requests` queries, `concurrency` of them in flight: a new one as one ends."""
+async def run_requests(url: str, images: list[bytes], concurrency: int, requests: int, max_tokens: int) -> list[dict]:
+    """`requests` queries over one channel, `concurrency` of them in flight: a new one as one ends."""
     import tritonclient.grpc.aio as grpcaio
 
     client = grpcaio.InferenceServerClient(url)
     try:
-        t0 = time.perf_counter()
-        out = await gather_limited(lambda i: one_request(client, images[i % len(images)], max_tokens), requests,
-                                   concurrency)
-        wall = time.perf_counter() - t0
+        return await gather_limited(lambda i: one_request(client, images[i % len(images)], max_tokens), requests,
+                                    concurrency)
     finally:
         await client.close()
-    return throughput_row(concurrency, wall, [r["ttft_ms"] for r in out], sum(r["output_tokens"] for r in out))
+
+
+def client_part(url: str, images: list[bytes], concurrency: int, max_tokens: int) -> dict:
+    """One client process's share of a level (2 x concurrency requests): the results, when it started and
+    ended (perf_counter: the same clock in every process of the machine), and the CPU time it took."""
+    cpu, t0 = time.process_time(), time.perf_counter()
+    results = asyncio.run(run_requests(url, images, concurrency, 2 * concurrency, max_tokens))
+    return {"start": t0, "end": time.perf_counter(), "results": results, "cpu_s": time.process_time() - cpu}
+
+
+def level(url: str, images: list[bytes], concurrency: int, max_tokens: int, pool=None, processes: int = 1) -> dict:
+    """2 x concurrency queries, `concurrency` in flight, from this process or shared over the pool's client
+    processes. client_cpu_share: the busiest client process's CPU time over the level's wall time (near 1, the
+    client, not the server, sets the pace)."""
+    if pool is None:
+        parts = [client_part(url, images, concurrency, max_tokens)]
+    else:
+        n = min(processes, concurrency)
+        shares = [concurrency // n + (i < concurrency % n) for i in range(n)]
+        parts = list(pool.map(client_part, *zip(*[(url, images, c, max_tokens) for c in shares])))
+    wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+    results = [r for p in parts for r in p["results"]]
+    row = throughput_row(concurrency, wall, [r["ttft_ms"] for r in results], sum(r["output_tokens"] for r in results))
+    row["client_cpu_share"] = max(p["cpu_s"] / (p["end"] - p["start"]) for p in parts)
+    return row
 
 
 def main() -> int:
@@ -171,32 +197,38 @@ def main() -> int:
     p.add_argument("--checkpoint", type=Path, help="serve this checkpoint instead of random full-size weights")
     p.add_argument("--out", type=Path)
     p.add_argument("--log", type=Path, help="tritonserver's output (default: a temporary file)")
+    p.add_argument("--client-processes", type=int, default=1, help="share each level's streams over this many "
+                   "client processes (one asyncio client each)")
     args = p.parse_args()
     images = query_images()
     ports = (args.grpc_port - 1, args.grpc_port, args.grpc_port + 1)  # http, grpc, metrics
     url, metrics_url = f"localhost:{ports[1]}", f"http://localhost:{ports[2]}/metrics"
     stopped = {}
-    with served(max(args.concurrency), ports, args.checkpoint, args.log, args.ready_timeout, stop_timeout=60,
-                stopped=stopped) as (_, ready_s):
+    pool = None
+    if args.client_processes > 1:
+        pool = ProcessPoolExecutor(args.client_processes, mp_context=multiprocessing.get_context("spawn"))
+    with pool or contextlib.nullcontext(), served(max(args.concurrency), ports, args.checkpoint, args.log,
+                                                  args.ready_timeout, stop_timeout=60, stopped=stopped) as (_, ready_s):
         print(f"model ready after {ready_s:.1f} s", flush=True)
-        biggest = max(args.concurrency)
-        asyncio.run(level(url, images, biggest, biggest, args.max_tokens))  # warm-up: graphs, image cache
+        procs = args.client_processes
+        level(url, images, max(args.concurrency), args.max_tokens, pool, procs)  # warm-up: graphs, image/prefix caches
         rows = []
         for c in args.concurrency:
             before = server_sums(metrics_url)
-            rows.append(asyncio.run(level(url, images, c, 2 * c, args.max_tokens)))
+            rows.append(level(url, images, c, args.max_tokens, pool, procs))
             time.sleep(1.5)  # (Triton refreshes its metrics about every second)
             rows[-1].update(server_means(before, server_sums(metrics_url)))
     if stopped["killed"]:
         raise SystemExit(f"tritonserver did not stop within 60 s, killed ({stopped})")
     print("| concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | server: engine TTFT ms | "
-          "Triton queue ms | Triton input ms |\n" + "| --- " * 9 + "|")
+          "Triton queue ms | Triton input ms | client CPU share |\n" + "| --- " * 10 + "|")
     for r in rows:
         print(f"| {r['concurrency']} | {r['requests']} | {r['req_per_s']:.1f} | {r['output_tok_per_s']:.0f} | "
               f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | {r['engine_ttft_mean_ms']:.0f} | "
-              f"{r['triton_queue_mean_ms']:.1f} | {r['triton_input_mean_ms']:.1f} |")
+              f"{r['triton_queue_mean_ms']:.1f} | {r['triton_input_mean_ms']:.1f} | {r['client_cpu_share']:.2f} |")
     if args.out:
-        args.out.write_text(json.dumps({"ready_s": ready_s, "max_tokens": args.max_tokens, "levels": rows}, indent=1))
+        args.out.write_text(json.dumps({"ready_s": ready_s, "max_tokens": args.max_tokens,
+                                        "client_processes": args.client_processes, "levels": rows}, indent=1))
     return 0
 
 

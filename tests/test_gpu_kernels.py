@@ -140,7 +140,8 @@ def test_prefill_attention_matches_the_torch_path(block_m, block_n, monkeypatch)
     cfg = TextConfig(dim=64, ff_dim=128, n_layers=2, n_heads=4, n_kv_heads=2)  # head_dim 16
     g = torch.Generator().manual_seed(0)
     d, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    seqs = [(79, 70, 0), (5, 0, 0), (133, 3, 0), (64, 0, 0), (20, 70, 64), (40, 150, 144), (7, 0, 30)]  # (rows, prefix, cached)
+    # (rows, image prefix, positions cached before the step)
+    seqs = [(79, 70, 0), (5, 0, 0), (133, 3, 0), (64, 0, 0), (20, 70, 64), (40, 150, 144), (7, 0, 30)]
     caches = [PagedKVCache(cfg, 128, 16, "cpu", torch.float32) for _ in range(2)]
     cached_k = torch.randn(caches[0].k.shape, generator=g)
     cached_v = torch.randn(caches[0].v.shape, generator=g)
@@ -179,7 +180,8 @@ def test_one_sequence_prefill_matches_the_flat_step(tiny_model, cached):
     caches = [PagedKVCache(cfg, 16, 16, "cpu", torch.float32) for _ in range(2)]
     n, prefix = 150, 40  # rows not a multiple of the bucket
     g = torch.Generator().manual_seed(0)
-    cached_k, cached_v = torch.randn(caches[0].k[:, :cached].shape, generator=g), torch.randn(caches[0].v[:, :cached].shape, generator=g)
+    shape = caches[0].k[:, :cached].shape
+    cached_k, cached_v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     for cache in caches:
         cache.allocate(0, 16)  # another sequence's pages: must stay untouched
         cache.allocate(1, cached + n + 5)
