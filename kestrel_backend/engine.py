@@ -196,10 +196,12 @@ class InferenceEngine:
 
     async def _submit(self, skill, image, ids, settings, stream, reasoning=False):
         delivery = Delivery(asyncio.get_running_loop(), stream)
-        fut = asyncio.run_coroutine_threadsafe(
-            self._admit(skill, image, ids, settings, delivery, reasoning), self.loop)
+        admit = self._admit(skill, image, ids, settings, delivery, reasoning)
         try:
-            await asyncio.wrap_future(fut)
+            if delivery.loop is self.loop:  # a caller on the engine loop (the Triton adapter): no hop between loops
+                await admit
+            else:
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(admit, self.loop))
             if stream:
                 return EngineStream(delivery)
             return await delivery.result

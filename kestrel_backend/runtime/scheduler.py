@@ -28,6 +28,11 @@ from .prefix_cache import PrefixCache
 from .sequence import EngineResult, Sequence, StreamChunk
 
 log = logging.getLogger("kestrel.scheduler")
+# Rounds of the engine loop's ready callbacks between two steps (each sleep(0) runs one round). A request
+# arriving from Triton's thread takes two chained rounds before it is waiting for admission (its task is
+# created, then runs), and a streamed chunk one more to reach its request's coroutine: with one round per
+# step, each of those waited for a whole step (under load, several steps of TTFT outside the engine's).
+ROUNDS_BETWEEN_STEPS = 3
 
 
 def make_attention(cache: PagedKVCache):
@@ -97,7 +102,8 @@ class Scheduler:
                 await self._wake.wait()
                 continue
             self.step()
-            await asyncio.sleep(0)  # let submissions and deliveries run between steps
+            for _ in range(ROUNDS_BETWEEN_STEPS):
+                await asyncio.sleep(0)
         for seq in list(self.waiting) + self.running:
             self._end(seq, error=EngineError("engine shut down"))
         self.waiting.clear()

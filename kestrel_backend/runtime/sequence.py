@@ -53,7 +53,17 @@ class Delivery:
         self.result.add_done_callback(lambda future: future.cancelled() or future.exception())
 
     def _call(self, fn, *args):
-        if not self.loop.is_closed():
+        """fn(*args) on the caller's loop: at once when the engine thread runs that loop itself (the Triton
+        adapter's requests), else queued to it from the engine thread."""
+        if self.loop.is_closed():
+            return
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is self.loop:
+            fn(*args)
+        else:
             self.loop.call_soon_threadsafe(fn, *args)
 
     def chunk(self, chunk: StreamChunk) -> None:
