@@ -333,3 +333,27 @@ def test_requests_on_one_image_share_its_prefix_pages(tiny_dir):
         assert no_request_holds_pages(eng)
     finally:
         eng.shutdown()
+
+
+def test_a_request_from_the_engine_loop_waits_no_extra_steps(engine):
+    """Triton's adapter runs its request coroutines on the engine loop. A request submitted there is admitted
+    at the next step, and its first chunk reaches it right after the step that made it: no step is spent
+    per hop between the request's coroutines (counted in steps, not time)."""
+    async def on_engine_loop():
+        s = engine.scheduler
+        busy = await engine.query(None, "keep the engine stepping", stream=True,
+                                  settings={"temperature": 0, "max_tokens": 200})
+        async for _ in busy:
+            break
+        submitted = s.steps
+        stream = await engine.query(None, "hello", stream=True, settings={"temperature": 0, "max_tokens": 4})
+        async for chunk in stream:
+            first, token_index = s.steps, chunk.token_index
+            break
+        busy.cancel()
+        stream.cancel()
+        await asyncio.gather(busy.result(), stream.result(), return_exceptions=True)  # both gone
+        return first - submitted, token_index
+
+    steps, token_index = asyncio.run_coroutine_threadsafe(on_engine_loop(), engine.loop).result(timeout=120)
+    assert steps == 1 + token_index
