@@ -238,6 +238,8 @@ def test_concurrent_streams_with_cancellations_and_metrics(triton_server, image)
     text = idle_metrics(triton_server)
     assert metric_sum(text, "kestrel_engine_state", state="kv_pages_used") == 0
     assert metric_sum(text, "kestrel_engine_state", state="kv_pages_total") > 0
+    assert metric_sum(text, "kestrel_engine_state", state="kv_pages_cached") > 0  # the image's prefix, kept
+    assert metric_sum(text, "kestrel_prefix_cache_hits_total") >= 1  # (32 requests on one image)
     assert metric_sum(text, "nv_inference_request_success", model="moondream") > 0
     assert metric_sum(text, "kestrel_requests_total", outcome="success") >= 24
     assert metric_sum(text, "kestrel_requests_total", outcome="cancelled") >= 1  # the server saw clients leave

@@ -16,7 +16,10 @@ class TritonMetrics:
                     "kv_pages_cached (image prefixes kept for later requests), kv_pages_total", MF.GAUGE)
         self._gauges = {name: gauges.Metric(labels={"state": name})
                         for name in ("queue_depth", "running", "kv_pages_used", "kv_pages_cached", "kv_pages_total")}
-        self._families = (self._requests, self._tokens, self._ttft, self._latency, gauges)
+        prefix_hits = MF("kestrel_prefix_cache_hits_total",
+                         "Requests that started from their image prefix's KV pages in the prefix cache", MF.COUNTER)
+        self._prefix_hits, self._prefix_hits_counted = prefix_hits.Metric(labels={}), 0
+        self._families = (self._requests, self._tokens, self._ttft, self._latency, gauges, prefix_hits)
         self._metrics: dict = {}
 
     def _metric(self, family, labels: dict, **kw):
@@ -40,3 +43,7 @@ class TritonMetrics:
         self._gauges["kv_pages_used"].set(stats["pages_used"])
         self._gauges["kv_pages_cached"].set(stats["pages_cached"])
         self._gauges["kv_pages_total"].set(stats["pages_total"])
+        new_hits = stats["prefix_hits"] - self._prefix_hits_counted  # (the engine's count only grows)
+        if new_hits:
+            self._prefix_hits.increment(new_hits)
+            self._prefix_hits_counted += new_hits
