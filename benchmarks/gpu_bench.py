@@ -265,15 +265,16 @@ def one_kernel_check(cfg, f: dict, runs: int = 30) -> dict:
 
 def engine_golden_check() -> dict:
     """The whole GPU engine path (prefill, CUDA-graph decode of fused kernels, batched sampling) in float32
-    against the reference's greedy tokens and boxes on the tiny fixture: 16 mixed requests at once, the same
-    16 again (their image prefixes now from the prefix cache: a prefill step of several sequences after
-    cached positions), then each case alone (one-sequence steps take the GEMV kernels, launched with PDL; the
+    against the reference's greedy tokens and boxes on the tiny fixture: 32 mixed requests at once (a bucket of
+    MANY_ROWS sequences: past 640 positions its attention is split over the context), the same 32 again (their
+    image prefixes now from the prefix cache: a prefill step of several sequences after cached positions), then
+    each case alone (one-sequence steps take the GEMV kernels, launched with PDL; the
     image cases prefill after their cached prefix in a graph)."""
     fixture = ROOT / "tests" / "fixtures" / "md2-tiny"
     cases = [c for c in json.loads((fixture / "cases.json").read_text())["cases"]
              if c["kind"] in ("query", "caption", "point", "detect")]
     engine = InferenceEngine.create(RuntimeConfig(model_path=str(fixture), device="cuda", dtype="float32",
-                                                  max_batch_size=16))
+                                                  max_batch_size=32))
     try:
         def submit(c):
             image = (fixture / c["image"]).read_bytes() if c["image"] else None
@@ -285,7 +286,7 @@ def engine_golden_check() -> dict:
             return engine.submit_tokens(c["kind"], image, c["object_ids"], {"max_objects": 5})
 
         async def run():
-            batch = (cases * 2)[:16]
+            batch = (cases * 3)[:32]
             return batch, await asyncio.gather(*[submit(c) for c in batch])
 
         batch, results = asyncio.run(run())

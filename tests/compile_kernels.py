@@ -71,10 +71,10 @@ def launch_everything() -> None:
             cache = torch.zeros(64 * page, h, d, **f)
             tables, lens = torch.zeros(m, 4, dtype=torch.int32), torch.ones(m, dtype=torch.int32)
             cos = torch.zeros(m, cfg.rope_dim // 2)
-            for splits in (1, 8):
+            for splits in (1, 2, 4, 8):  # (context_splits, MANY_ROWS_SPLITS, ONE_KERNEL_SPLITS)
                 dk.rotary_paged_attention(torch.zeros(m, 3 * cfg.dim, **f), cos, cos, cache, cache, tables, lens,
                                           lens, h, page, splits)
-                if m == 1:
+                if m == 1 and splits in (1, 8):
                     dk.norm_linear_attention(x, ln, ln, wq, bq, wf, bf, cos, cos, cache, cache, tables, lens, lens,
                                              page, torch.zeros(2 * h, dtype=torch.int32), splits)
             dk.greedy_tokens(torch.zeros(m, dtype=torch.int64), host_out=torch.zeros(m, dtype=torch.int32))

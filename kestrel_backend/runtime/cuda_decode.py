@@ -192,12 +192,18 @@ class HostTokens:
 
 LONG_CONTEXT = 128  # from here splitting the attention over the context pays (H100, one sequence, interleaved
 #                    A/B: at context 64 one program per head is 2% faster, at 300 the split is 18% faster)
+# Buckets of MANY_ROWS sequences and more split the attention in MANY_ROWS_SPLITS from MANY_ROWS_LONG_CONTEXT on
+# (H100, decode steps of 32 / 64 / 128 sequences against one program per sequence and head, two rounds: at
+# context 800 7 / 7 / 2% faster, at 1500 5 / 8 / 3%, at 512 within 3%, at 256 up to 5% slower; 16 sequences
+# gained nothing at 800). Image queries have 730 positions or more.
+MANY_ROWS, MANY_ROWS_LONG_CONTEXT, MANY_ROWS_SPLITS = 32, 640, 4
 
 
 class CudaGraphDecoder:
     """Decode steps for up to max_batch sequences, captured once per batch-size bucket and replayed.
-    Buckets of the GEMV form get two graphs: for short contexts the attention is one program per
-    sequence and head; for long ones it is split over the context. They also come in two parities that
+    Buckets of the GEMV form and of MANY_ROWS sequences or more get two graphs: for short contexts the
+    attention is one program per sequence and head (GEMV form) or as context_splits has it; for long ones it
+    is split over the context. They also come in two parities that
     alternate from step to step (inputs from pinned buffer p, greedy tokens into greedy[p] and pinned
     host buffer p): a step can then be launched while the one before is still running, taking that
     step's tokens as its inputs on the GPU (FED_BACK) before the host has read them."""
@@ -222,7 +228,10 @@ class CudaGraphDecoder:
         self.inputs.copy_to_device(parity)
         previous = self.greedy[1 - parity, :b]  # the tokens of the step before, for FED_BACK inputs
         x = embed_rows(self.inputs.tokens(b), self.model.weights.text.wte, self.given[:b], previous)
-        splits = 1 if b <= GEMV_MAX_ROWS and not long_context else None
+        if b <= GEMV_MAX_ROWS:
+            splits = None if long_context else 1
+        else:
+            splits = MANY_ROWS_SPLITS if long_context else None
         self.hidden[:b] = fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,
                                             self.greedy[parity, :b], self._greedy_host[parity].pinned[:b])
 
@@ -243,7 +252,11 @@ class CudaGraphDecoder:
 
     @staticmethod
     def _variants(bucket: int) -> list[bool]:
-        return [False, True] if bucket <= GEMV_MAX_ROWS else [False]
+        return [False, True] if bucket <= GEMV_MAX_ROWS or bucket >= MANY_ROWS else [False]
+
+    @staticmethod
+    def _long_context(bucket: int) -> int:
+        return LONG_CONTEXT if bucket <= GEMV_MAX_ROWS else MANY_ROWS_LONG_CONTEXT
 
     def warmup(self) -> None:
         for buffer in (0, 1):  # every row padding: all writes go to the scratch page
@@ -273,7 +286,7 @@ class CudaGraphDecoder:
         every row bans at most MAX_BANNED."""
         n = len(seq_ids)
         bucket = self._bucket(n)
-        long_context = self._variants(bucket)[-1] and max(positions) >= LONG_CONTEXT
+        long_context = self._variants(bucket)[-1] and max(positions) >= self._long_context(bucket)
         parity = 1 - self._parity if bucket <= GEMV_MAX_ROWS else 0
         tokens = [t if isinstance(t, int) else -1 for t in inputs]
         for i, given in enumerate(inputs):
