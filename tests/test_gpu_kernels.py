@@ -124,8 +124,8 @@ def test_rope_kernel_matches_the_torch_rope(tokens, heads):
     assert torch.equal(got[:, rotated:], qkv[:, rotated:])
 
 
-@pytest.mark.parametrize("block_m, block_n", [(64, 64), (128, 32)])
-def test_prefill_attention_matches_the_torch_path(block_m, block_n, monkeypatch):
+@pytest.mark.parametrize("block_m, block_n, context_block_n", [(64, 64, 128), (128, 32, 32)])
+def test_prefill_attention_matches_the_torch_path(block_m, block_n, context_block_n, monkeypatch):
     """The GPU prefill kernel against TorchPagedAttention: image prefixes crossing a tile boundary and
     longer than it, text-only sequences, grouped-query heads, and sequences whose first positions are in
     the cache already (an image prefix shared in part or in whole, a text continuation); the same outputs
@@ -137,6 +137,7 @@ def test_prefill_attention_matches_the_torch_path(block_m, block_n, monkeypatch)
 
     monkeypatch.setattr(pa, "BLOCK_M", block_m)
     monkeypatch.setattr(pa, "BLOCK_N", block_n)
+    monkeypatch.setattr(pa, "CONTEXT_BLOCK_N", context_block_n)
     cfg = TextConfig(dim=64, ff_dim=128, n_layers=2, n_heads=4, n_kv_heads=2)  # head_dim 16
     g = torch.Generator().manual_seed(0)
     d, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads

@@ -18,6 +18,9 @@ from .kv_cache import PagedKVCache
 # query rows and key rows per tile, warps, pipeline stages (H100, 1 / 4 / 16 prefills of 742 tokens: 25 / 90 /
 # 315 us per layer, against 82 / 275 / 1064 for the torch path; 128-row tiles and 8 warps were slower)
 BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 4, 3
+# cached positions per tile of the loop over them (H100, 1 / 4 / 8 sequences of 22 rows after 720 cached
+# positions: 11.3 / 12.6 / 24.8 us per layer with 128, 13.3 / 14.4 / 28.0 with 64, 16.7 / 17.6 / 33.7 with 32)
+CONTEXT_BLOCK_N = 128
 # a work item, one per query tile: start row, rows, image-prefix rows among them, query tile, positions already
 # cached (before the step's rows), where their cache rows start in the step's context slots
 WORK_FIELDS = 6
@@ -39,7 +42,7 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, PRECISION: tl.constexpr
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, out_ptr, k_cache_ptr, v_cache_ptr,
                               slots_ptr, context_slots_ptr, work_ptr, scale, FIELDS: tl.constexpr, H: tl.constexpr,
                               HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              PRECISION: tl.constexpr):
+                              CONTEXT_BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Program (item, head): the query tile q_block of one sequence (work item: start row, rows, image-prefix
     rows among them, q_block, cached positions, their offset in context_slots) against the cached positions,
     all visible, then the key tiles of its own rows it may see. The first head of each kv head group also
@@ -69,8 +72,8 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     # position 0 is visible to every row, so no row's maximum stays -inf after the first tile
-    for kv_lo in range(0, cached, BLOCK_N):
-        offs_n = kv_lo + tl.arange(0, BLOCK_N)
+    for kv_lo in range(0, cached, CONTEXT_BLOCK_N):
+        offs_n = kv_lo + tl.arange(0, CONTEXT_BLOCK_N)
         n_mask = offs_n < cached
         rows = tl.load(context_slots_ptr + context + offs_n, mask=n_mask, other=0).to(tl.int64)[:, None] * (HKV * D)
         k = tl.load(k_cache_ptr + rows + head, mask=n_mask[:, None], other=0.0)
@@ -120,7 +123,8 @@ def prefill_attention(q, k, v, k_cache, v_cache, slots, work, context) -> torch.
     _prefill_attention_kernel[(work.numel() // WORK_FIELDS, h)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), out, k_cache, v_cache, slots, context, work,
         1.4426950408889634 * d ** -0.5, FIELDS=WORK_FIELDS, H=h, HKV=hkv, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=WARPS, num_stages=STAGES)
+        CONTEXT_BLOCK_N=CONTEXT_BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=WARPS,
+        num_stages=STAGES)
     return out
 
 
