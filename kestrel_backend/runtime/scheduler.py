@@ -175,7 +175,7 @@ class Scheduler:
         """Offer the image prefixes just written to the prefix cache (in stream order, later steps read them
         after this one has written them)."""
         for seq in prefilled:
-            if seq.image_key is not None and not seq.cached_tokens and seq.id in self.cache.tables:
+            if seq.image_key is not None and not seq.cached_tokens:
                 self.prefixes.insert(seq.image_key, self.cache.tables[seq.id], seq.prefix_len)
 
     def _attach_images(self, seqs: list[Sequence]) -> list[Sequence]:
