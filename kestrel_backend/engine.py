@@ -22,7 +22,7 @@ from .model.moondream import Moondream
 from .model.tokenizer import IncrementalDetokenizer
 from .runtime.image_cache import ImageCache, image_key
 from .runtime.kv_cache import PagedKVCache
-from .runtime.scheduler import Scheduler, make_decoder, make_one_sequence_prefill
+from .runtime.scheduler import Scheduler, make_crop_encoder, make_decoder, make_one_sequence_prefill
 from .runtime.sequence import Delivery, EngineResult, Sequence, StreamChunk
 from .skills.generation import Generation, ReasoningThenAnswer, RegionGeneration, TextGeneration
 from .skills.prompts import caption_prompt, query_prompt, region_prompt
@@ -79,8 +79,11 @@ class InferenceEngine:
         one_sequence_prefill = make_one_sequence_prefill(model, self.kv, self.max_context)
         if one_sequence_prefill is not None:
             one_sequence_prefill.warmup()
+        crop_encoder = make_crop_encoder(model)
+        if crop_encoder is not None:
+            crop_encoder.warmup()
         self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, one_sequence_prefill,
-                                   config.prefix_cache_size)
+                                   config.prefix_cache_size, crop_encoder)
         if config.chaos_fail_after_steps:
             log.warning("KESTREL_CHAOS_FAIL_AFTER_STEPS=%d: every step after that many will fail (chaos testing)",
                         config.chaos_fail_after_steps)

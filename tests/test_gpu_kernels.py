@@ -303,8 +303,33 @@ def test_gpu_vision_blocks_match_the_torch_blocks(tiny_model):
     v, w = tiny_model.config.vision, tiny_model.weights.vision
     crops = torch.rand(2, 3, v.crop_size, v.crop_size, generator=torch.Generator().manual_seed(0)) * 2 - 1
     x = vision.embed_patches(crops, w, v)
-    got = vision._encode_blocks_cuda(x.clone(), w, v)
-    assert rel_err(got, vision.encode_crops(crops, w, v)) < 1e-5
+    out = torch.full_like(x, float("nan"))  # (a CUDA graph's static output buffer)
+    got = vision._encode_blocks_cuda(x.clone(), w, v, out)
+    assert got.data_ptr() == out.data_ptr() and rel_err(got, vision.encode_crops(crops, w, v)) < 1e-5
+
+
+def test_encode_images_takes_each_batch_out_of_a_reused_buffer(tiny_model, monkeypatch):
+    """The engine's CUDA graphs (runtime/vision_graphs.py) return their static output buffer, which the next
+    batch overwrites: encode_images must copy each batch's features out before encoding the next."""
+    import numpy as np
+
+    from kestrel_backend.model import vision
+
+    v, w = tiny_model.config.vision, tiny_model.weights.vision
+    rng = np.random.default_rng(0)
+    cropped = [vision.crop_image(rng.integers(0, 256, shape, dtype=np.uint8), v)
+               for shape in ((400, 900, 3), (300, 300, 3))]
+    expected = vision.encode_images(cropped, w, v)
+    static = torch.full((3, v.grid * v.grid, v.enc_dim), float("nan"))
+
+    def encode(crops):  # as CropEncoderGraphs: into one buffer, valid until the next call
+        static[:len(crops)] = vision.encode_crops(crops, w, v)
+        return static[:len(crops)]
+
+    monkeypatch.setattr(vision, "CROPS_PER_BATCH", 3)
+    assert sum(len(crops) for crops, _ in cropped) > 2 * vision.CROPS_PER_BATCH  # three batches at least
+    got = vision.encode_images(cropped, w, v, encode)
+    assert all(rel_err(g, e) < 1e-5 for g, e in zip(got, expected))
 
 
 def test_step_inputs_pack_tables_lengths_slots_and_rotary_per_sequence(tiny_model):

@@ -28,11 +28,13 @@ def _shifted_layer_norm_kernel(x_ptr, shift_ptr, w_ptr, b_ptr, out_ptr, rows_tot
 
 
 def shifted_layer_norm(x: torch.Tensor, shift: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                       eps: float = 1e-5) -> torch.Tensor:
-    """layer_norm(x + shift) over the last dim; x [R, D] contiguous, shift [D] float32."""
+                       eps: float = 1e-5, out: torch.Tensor | None = None) -> torch.Tensor:
+    """layer_norm(x + shift) over the last dim into out (new unless given); x [R, D] contiguous, shift [D]
+    float32."""
     rows, dim = x.shape
     assert x.is_contiguous() and shift.dtype == torch.float32
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
+    assert out.shape == x.shape and out.is_contiguous()
     block_d = triton.next_power_of_2(dim)
     per_program = max(1, 4096 // block_d)
     _shifted_layer_norm_kernel[(triton.cdiv(rows, per_program),)](x, shift, weight, bias, out, rows, eps, D=dim,

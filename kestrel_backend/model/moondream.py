@@ -41,9 +41,10 @@ class Moondream:
     def crop_image(self, image: np.ndarray):
         return vision.crop_image(image, self.config.vision)
 
-    def encode_cropped(self, cropped: list) -> list[torch.Tensor]:
-        """[(crops, tiling)] of several images -> their [729, dim] embeddings, encoded as one batch."""
-        return vision.encode_images(cropped, self.weights.vision, self.config.vision)
+    def encode_cropped(self, cropped: list, encode=None) -> list[torch.Tensor]:
+        """[(crops, tiling)] of several images -> their [729, dim] embeddings, encoded as one batch (by
+        encode(crops) -> features if given: see vision.encode_images)."""
+        return vision.encode_images(cropped, self.weights.vision, self.config.vision, encode)
 
     def image_prefix(self, image_embedding: torch.Tensor) -> torch.Tensor:
         """BOS followed by the image: the 730 inputs that attend to each other bidirectionally."""

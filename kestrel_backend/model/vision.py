@@ -51,18 +51,21 @@ def _attend_heads(x: torch.Tensor, qkv, n_heads: int) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
 
 
-def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig) -> torch.Tensor:
-    """[B, 3, crop, crop] -> patch features [B, grid*grid, enc_dim]; crops of many images may share a batch."""
+def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, 3, crop, crop] -> patch features [B, grid*grid, enc_dim]; crops of many images may share a batch.
+    On a GPU the features are written into out if given (a CUDA graph's static buffer)."""
     x = embed_patches(crops, w, config)
     if x.is_cuda:
-        return _encode_blocks_cuda(x, w, config)
+        return _encode_blocks_cuda(x, w, config, out)
     for block in w.blocks:
         x = x + linear(_attend_heads(layer_norm(x, block.ln1), block.qkv, config.enc_n_heads), block.proj)
         x = x + mlp(layer_norm(x, block.ln2), block.mlp)
     return layer_norm(x, w.post_ln)
 
 
-def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig) -> torch.Tensor:
+def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """The same blocks with the residual adds done by the output GEMMs (in place, beta = 1). Their biases
     are left out of the stream and added back by the next norm: w.bias_sums[i] sums all biases before it."""
     from .layer_norm_cuda import shifted_layer_norm
@@ -74,7 +77,8 @@ def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig)
         x.addmm_(_attend_heads(h.view(b, n, d), block.qkv, config.enc_n_heads).view(b * n, d), block.proj.weight.t())
         h = shifted_layer_norm(x, w.bias_sums[2 * i + 1], block.ln2.weight, block.ln2.bias)
         x.addmm_(mlp_hidden(h, block.mlp), block.mlp.fc2.weight.t())
-    return shifted_layer_norm(x, w.bias_sums[-1], w.post_ln.weight, w.post_ln.bias).view(b, n, d)
+    return shifted_layer_norm(x, w.bias_sums[-1], w.post_ln.weight, w.post_ln.bias,
+                              out=None if out is None else out.view(b * n, d)).view(b, n, d)
 
 
 def project(features: torch.Tensor, tiling: tuple[int, int], w: VisionWeights, config: VisionConfig) -> torch.Tensor:
@@ -86,11 +90,16 @@ def project(features: torch.Tensor, tiling: tuple[int, int], w: VisionWeights, c
     return mlp(torch.cat([features[0], pooled], dim=-1), w.proj_mlp)
 
 
-def encode_images(cropped: list[tuple[np.ndarray, tuple[int, int]]], w: VisionWeights,
-                  config: VisionConfig) -> list[torch.Tensor]:
-    """Several images' crops through the encoder together (batched), then each projected on its own."""
+def encode_images(cropped: list[tuple[np.ndarray, tuple[int, int]]], w: VisionWeights, config: VisionConfig,
+                  encode=None) -> list[torch.Tensor]:
+    """Several images' crops through the encoder together (batched), then each projected on its own.
+    encode(crops) -> features: encode_crops unless given (the engine's CUDA graphs, whose output is a
+    static buffer: each batch's is copied out before the next one runs)."""
+    encode = encode or (lambda crops: encode_crops(crops, w, config))
     x = normalise(np.concatenate([crops for crops, _ in cropped]), w.pos_emb.device, w.pos_emb.dtype)
-    features = torch.cat([encode_crops(x[i:i + CROPS_PER_BATCH], w, config) for i in range(0, len(x), CROPS_PER_BATCH)])
+    features = x.new_empty(len(x), config.grid * config.grid, config.enc_dim)
+    for i in range(0, len(x), CROPS_PER_BATCH):
+        features[i:i + CROPS_PER_BATCH] = encode(x[i:i + CROPS_PER_BATCH])
     out, start = [], 0
     for crops, tiling in cropped:
         out.append(project(features[start:start + len(crops)], tiling, w, config))

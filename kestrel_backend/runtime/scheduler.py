@@ -53,6 +53,15 @@ def make_one_sequence_prefill(model: Moondream, cache: PagedKVCache, max_context
     return OneSequencePrefill(model, cache, max_context)
 
 
+def make_crop_encoder(model: Moondream):
+    """CUDA graphs of the vision encoder on a GPU; None (eager) elsewhere."""
+    if model.device.type != "cuda":
+        return None
+    from .vision_graphs import CropEncoderGraphs
+
+    return CropEncoderGraphs(model)
+
+
 def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int):
     """CUDA graphs of the fused Triton decode kernels on a GPU; None (torch attention) elsewhere."""
     if model.device.type != "cuda":
@@ -64,7 +73,7 @@ def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_cont
 
 class Scheduler:
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
-                 decoder=None, one_sequence_prefill=None, prefix_cache_size: int = 0):
+                 decoder=None, one_sequence_prefill=None, prefix_cache_size: int = 0, crop_encoder=None):
         self.model = model
         self.cache = cache
         self.images = image_cache
@@ -73,6 +82,7 @@ class Scheduler:
         self.attention = make_attention(cache)
         self.decoder = decoder
         self.one_sequence_prefill = one_sequence_prefill  # graphs for a prefill step of one sequence, or None
+        self.crop_encoder = crop_encoder  # graphs of the vision encoder, or None (eager)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wake = asyncio.Event()
@@ -186,7 +196,8 @@ class Scheduler:
                 pending.setdefault(seq.image_key, []).append(seq)
         if pending:
             try:
-                embeddings = self.model.encode_cropped([group[0].cropped for group in pending.values()])
+                embeddings = self.model.encode_cropped([group[0].cropped for group in pending.values()],
+                                                       self.crop_encoder)
             except Exception as e:
                 log.exception("image encoding failed")
                 failed = [seq for group in pending.values() for seq in group]
