@@ -71,6 +71,7 @@ class InferenceEngine:
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
         self._ids = itertools.count(1)
         self._decoders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kestrel-decode")
+        self._decoding: dict[str, asyncio.Future] = {}  # image key -> its crops, while being decoded
         self._admitting = 0
         self.loop = asyncio.new_event_loop()
         decoder = make_decoder(model, self.kv, config.max_batch_size, self.max_context)
@@ -189,6 +190,15 @@ class InferenceEngine:
     def _crop(self, data: bytes):
         return self.model.crop_image(decode_image(data, self.image_limits))
 
+    async def _decode_once(self, key: str, data: bytes):
+        """The image's crops, decoded off the engine thread once for all requests that bring it meanwhile
+        (a burst of questions on one new image). shield: a cancelled request leaves the others' decode be."""
+        decoding = self._decoding.get(key)
+        if decoding is None:
+            decoding = self._decoding[key] = self.loop.run_in_executor(self._decoders, self._crop, data)
+            decoding.add_done_callback(lambda _: self._decoding.pop(key, None))
+        return await asyncio.shield(decoding)
+
     def _generation(self, skill: str, settings: Settings, reasoning: bool) -> Generation:
         tok = self.model.config.tokenizer
         if skill in ("point", "detect"):
@@ -223,8 +233,8 @@ class InferenceEngine:
                 if not isinstance(image, (bytes, bytearray)):
                     raise InvalidRequest("IMAGE must be encoded image bytes")
                 key = image_key(bytes(image))
-                if key not in self.images:  # decode and crop off the engine thread
-                    cropped = await self.loop.run_in_executor(self._decoders, self._crop, bytes(image))
+                if key not in self.images:
+                    cropped = await self._decode_once(key, bytes(image))
             tok = self.model.config.tokenizer
             if skill == "query":
                 ids = query_prompt(tok, ids, key is not None, reasoning)

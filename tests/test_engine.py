@@ -214,19 +214,49 @@ def test_overload_rejects_only_the_excess(tiny_dir):
         eng.shutdown()
 
 
-def test_same_image_is_encoded_once(engine):
+def test_same_image_is_decoded_and_encoded_once(engine, monkeypatch):
     import numpy as np
     import pyvips
 
     pixels = np.random.default_rng(11).integers(0, 256, (200, 500, 3), dtype=np.uint8)
     image = pyvips.Image.new_from_array(pixels).pngsave_buffer()
     before = engine.stats()["images_encoded"]
+    decoded = []
+    crop = engine._crop
+    monkeypatch.setattr(engine, "_crop", lambda data: decoded.append(data) or crop(data))
 
     async def run():
         return await asyncio.gather(*[engine.query(image, f"q{i}", settings={"max_tokens": 2}) for i in range(5)])
 
     asyncio.run(run())
-    assert engine.stats()["images_encoded"] - before == 1
+    assert len(decoded) == 1 and engine.stats()["images_encoded"] - before == 1
+
+
+def test_a_burst_on_one_new_image_decodes_it_once_and_survives_a_cancel(engine, monkeypatch):
+    """Requests that bring the same new image while it is being decoded share that decode; one of them
+    cancelled leaves the others theirs. A broken image fails every request that brought it, alone."""
+    import numpy as np
+    import pyvips
+
+    image = pyvips.Image.new_from_array(
+        np.random.default_rng(12).integers(0, 256, (300, 400, 3), dtype=np.uint8)).jpegsave_buffer()
+    decoded = []
+    crop = engine._crop
+    monkeypatch.setattr(engine, "_crop", lambda data: decoded.append(data) or crop(data))
+
+    async def run():
+        tasks = [asyncio.create_task(engine.query(image, f"q{i}", settings={"max_tokens": 2})) for i in range(6)]
+        await asyncio.sleep(0)  # all six on their way to the decode
+        tasks[0].cancel()
+        broken = [engine.query(image[:200], "q", settings={"max_tokens": 2}) for _ in range(3)]
+        return await asyncio.gather(*tasks, *broken, return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert all(r.output["answer"] is not None for r in results[1:6])
+    assert all(isinstance(r, InvalidRequest) and "IMAGE" in str(r) for r in results[6:])
+    assert decoded.count(image) == 1 and decoded.count(image[:200]) == 1
+    assert engine._decoding == {} and no_request_holds_pages(engine)
 
 
 def test_bad_inputs_are_named(engine):
