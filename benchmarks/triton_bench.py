@@ -2,6 +2,7 @@
 
     python benchmarks/triton_bench.py [--concurrency 1 4 16 64] [--max-tokens 64] [--out results.json]
     python benchmarks/triton_bench.py --checkpoint tests/fixtures/md2-tiny --concurrency 1 2  (CPU smoke run)
+    python benchmarks/triton_bench.py --fresh-images  (every request a new image: no image or prefix cache hits)
 
 Writes a FULL-SIZE Moondream 2 checkpoint of random bf16 weights (with the fixture's tokenizer) to a
 temporary folder, starts tritonserver on model_repository/ with it (kestrel_backend.triton.local_server),
@@ -171,16 +172,34 @@ def client_part(url: str, images: list[bytes], concurrency: int, max_tokens: int
     return {"start": t0, "end": time.perf_counter(), "results": results, "cpu_s": time.process_time() - cpu}
 
 
+def fresh_images(n: int, seed: int) -> list[bytes]:
+    """n distinct 640x480 JPEGs that no earlier call made (seed: where this batch starts), photo-like in size
+    (smooth colour fields, not noise): for levels where every request brings an image the server has not seen."""
+    import numpy as np
+    import pyvips
+
+    out = []
+    for i in range(seed, seed + n):
+        rng = np.random.default_rng(i)
+        small = pyvips.Image.new_from_array(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8))
+        out.append(small.resize(40, kernel="linear").jpegsave_buffer(Q=85))
+    return out
+
+
 def level(url: str, images: list[bytes], concurrency: int, max_tokens: int, pool=None, processes: int = 1) -> dict:
     """2 x concurrency queries, `concurrency` in flight, from this process or shared over the pool's client
-    processes. client_cpu_share: the busiest client process's CPU time over the level's wall time (near 1, the
+    processes. images: cycled over a client's requests; given one per request, each client process takes its
+    own slice. client_cpu_share: the busiest client process's CPU time over the level's wall time (near 1, the
     client, not the server, sets the pace)."""
+    n = 1 if pool is None else min(processes, concurrency)
+    shares = [concurrency // n + (i < concurrency % n) for i in range(n)]
+    own = len(images) >= 2 * concurrency  # one image per request
+    starts = [2 * sum(shares[:i]) for i in range(n)]
+    part_images = [images[s:s + 2 * c] if own else images for s, c in zip(starts, shares)]
     if pool is None:
-        parts = [client_part(url, images, concurrency, max_tokens)]
+        parts = [client_part(url, part_images[0], concurrency, max_tokens)]
     else:
-        n = min(processes, concurrency)
-        shares = [concurrency // n + (i < concurrency % n) for i in range(n)]
-        parts = list(pool.map(client_part, *zip(*[(url, images, c, max_tokens) for c in shares])))
+        parts = list(pool.map(client_part, *zip(*[(url, imgs, c, max_tokens) for imgs, c in zip(part_images, shares)])))
     wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     results = [r for p in parts for r in p["results"]]
     row = throughput_row(concurrency, wall, [r["ttft_ms"] for r in results], sum(r["output_tokens"] for r in results))
@@ -199,8 +218,17 @@ def main() -> int:
     p.add_argument("--log", type=Path, help="tritonserver's output (default: a temporary file)")
     p.add_argument("--client-processes", type=int, default=1, help="share each level's streams over this many "
                    "client processes (one asyncio client each)")
+    p.add_argument("--fresh-images", action="store_true", help="every request brings an image the server has not "
+                   "seen (decode, vision encoder and whole prefill each time), instead of 8 images over and over")
     args = p.parse_args()
-    images = query_images()
+    cached, seen = (None if args.fresh_images else query_images()), 0
+
+    def images_for(concurrency: int) -> list[bytes]:
+        nonlocal seen
+        if cached is not None:
+            return cached
+        seen += 2 * concurrency
+        return fresh_images(2 * concurrency, seen - 2 * concurrency)
     ports = (args.grpc_port - 1, args.grpc_port, args.grpc_port + 1)  # http, grpc, metrics
     url, metrics_url = f"localhost:{ports[1]}", f"http://localhost:{ports[2]}/metrics"
     stopped = {}
@@ -211,9 +239,11 @@ def main() -> int:
                                                   args.ready_timeout, stop_timeout=60, stopped=stopped) as (_, ready_s):
         print(f"model ready after {ready_s:.1f} s", flush=True)
         procs = args.client_processes
-        level(url, images, max(args.concurrency), args.max_tokens, pool, procs)  # warm-up: graphs, image/prefix caches
+        # warm-up: graphs, and unless fresh images are asked for, the image and prefix caches
+        level(url, images_for(max(args.concurrency)), max(args.concurrency), args.max_tokens, pool, procs)
         rows = []
         for c in args.concurrency:
+            images = images_for(c)
             before = server_sums(metrics_url)
             rows.append(level(url, images, c, args.max_tokens, pool, procs))
             time.sleep(1.5)  # (Triton refreshes its metrics about every second)
@@ -227,8 +257,9 @@ def main() -> int:
               f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | {r['engine_ttft_mean_ms']:.0f} | "
               f"{r['triton_queue_mean_ms']:.1f} | {r['triton_input_mean_ms']:.1f} | {r['client_cpu_share']:.2f} |")
     if args.out:
-        args.out.write_text(json.dumps({"ready_s": ready_s, "max_tokens": args.max_tokens,
-                                        "client_processes": args.client_processes, "levels": rows}, indent=1))
+        args.out.write_text(json.dumps({"ready_s": ready_s, "max_tokens": args.max_tokens, "fresh_images":
+                                        args.fresh_images, "client_processes": args.client_processes, "levels": rows},
+                                       indent=1))
     return 0
 
 
