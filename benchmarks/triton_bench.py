@@ -186,16 +186,16 @@ def fresh_images(n: int, seed: int) -> list[bytes]:
     return out
 
 
-def level(url: str, images: list[bytes], concurrency: int, max_tokens: int, pool=None, processes: int = 1) -> dict:
+def level(url: str, images: list[bytes], concurrency: int, max_tokens: int, pool=None, processes: int = 1,
+          one_per_request: bool = False) -> dict:
     """2 x concurrency queries, `concurrency` in flight, from this process or shared over the pool's client
-    processes. images: cycled over a client's requests; given one per request, each client process takes its
-    own slice. client_cpu_share: the busiest client process's CPU time over the level's wall time (near 1, the
-    client, not the server, sets the pace)."""
+    processes. images: cycled over each client's requests, or with one_per_request, one for each request (each
+    client process its own slice). client_cpu_share: the busiest client process's CPU time over the level's
+    wall time (near 1, the client, not the server, sets the pace)."""
     n = 1 if pool is None else min(processes, concurrency)
     shares = [concurrency // n + (i < concurrency % n) for i in range(n)]
-    own = len(images) >= 2 * concurrency  # one image per request
     starts = [2 * sum(shares[:i]) for i in range(n)]
-    part_images = [images[s:s + 2 * c] if own else images for s, c in zip(starts, shares)]
+    part_images = [images[s:s + 2 * c] if one_per_request else images for s, c in zip(starts, shares)]
     if pool is None:
         parts = [client_part(url, part_images[0], concurrency, max_tokens)]
     else:
@@ -240,12 +240,13 @@ def main() -> int:
         print(f"model ready after {ready_s:.1f} s", flush=True)
         procs = args.client_processes
         # warm-up: graphs, and unless fresh images are asked for, the image and prefix caches
-        level(url, images_for(max(args.concurrency)), max(args.concurrency), args.max_tokens, pool, procs)
+        fresh = args.fresh_images
+        level(url, images_for(max(args.concurrency)), max(args.concurrency), args.max_tokens, pool, procs, fresh)
         rows = []
         for c in args.concurrency:
             images = images_for(c)
             before = server_sums(metrics_url)
-            rows.append(level(url, images, c, args.max_tokens, pool, procs))
+            rows.append(level(url, images, c, args.max_tokens, pool, procs, fresh))
             time.sleep(1.5)  # (Triton refreshes its metrics about every second)
             rows[-1].update(server_means(before, server_sums(metrics_url)))
     if stopped["killed"]:
