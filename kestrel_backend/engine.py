@@ -36,7 +36,8 @@ __all__ = ["InferenceEngine", "EngineResult", "EngineStream", "StreamChunk", "En
 
 
 class EngineStream:
-    """Async iterator of StreamChunk (str); joined they equal the final text. `await result()`."""
+    """Async iterator of StreamChunk (str); joined they equal the final text. `await result()`. Or
+    forward_to(sink), on the caller's loop: each chunk is handed to sink(chunk) as it comes."""
 
     def __init__(self, delivery: Delivery):
         self._delivery = delivery
@@ -50,6 +51,9 @@ class EngineStream:
             self._delivery.chunks.put_nowait(None)  # stay exhausted
             raise StopAsyncIteration
         return item
+
+    def forward_to(self, sink) -> None:
+        self._delivery.forward_to(sink)
 
     async def result(self) -> EngineResult:
         return await self._delivery.result

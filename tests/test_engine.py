@@ -98,6 +98,37 @@ def test_stream_chunks_join_to_final_text(engine, tiny_dir):
         assert [c.token_index for c in chunks] == sorted(c.token_index for c in chunks)
 
 
+def test_stream_forwarded_to_a_sink_on_the_engine_loop(engine, tiny_dir):
+    """As the Triton adapter takes a stream: on the engine loop, each chunk handed to a sink inside the
+    step (chunks queued before forward_to first). A sink that raises drops its own request only."""
+    image = (tiny_dir / "images" / "medium.png").read_bytes()
+    settings = {"temperature": 0, "max_tokens": 30}
+
+    async def forwarded(fail_at: int | None = None):
+        stream = await engine.caption(image, stream=True, settings=settings)
+        if fail_at is None:
+            await asyncio.sleep(0.05)  # some chunks wait in the queue by now
+
+        def sink(chunk):
+            if len(got) == fail_at:  # (a later chunk: inside a step)
+                raise RuntimeError("broken sink")
+            got.append(chunk)
+
+        got = []
+        stream.forward_to(sink)
+        return got, await stream.result()
+
+    async def run():
+        return await asyncio.gather(forwarded(), forwarded(fail_at=3), forwarded(), return_exceptions=True)
+
+    alone = asyncio.run(engine.caption(image, settings=settings))
+    ok, failed, ok2 = asyncio.run_coroutine_threadsafe(run(), engine.loop).result(60)
+    for chunks, result in (ok, ok2):
+        assert "".join(chunks) == result.output["caption"] == alone.output["caption"] and len(chunks) > 1
+    assert isinstance(failed, RequestCancelled)
+    assert no_request_holds_pages(engine)
+
+
 class ScriptedText(Generation):
     """Emits a fixed token list (the decode state machine of a text skill, with a known answer)."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ import torch
 
 from ..model.tokenizer import IncrementalDetokenizer
 from ..skills.generation import Generation
+
+log = logging.getLogger("kestrel.engine")
 
 
 class StreamChunk(str):
@@ -36,7 +39,8 @@ class EngineResult:
 
 
 class Delivery:
-    """Thread-safe channel from the engine thread back to the caller's event loop."""
+    """Thread-safe channel from the engine thread back to the caller's event loop. Streamed chunks wait in
+    a queue for the caller to take them, or go straight to a sink the caller gave (forward_to)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool):
         self.loop = loop
@@ -44,6 +48,18 @@ class Delivery:
         self.chunks: asyncio.Queue = asyncio.Queue()
         self.result: asyncio.Future = loop.create_future()
         self.cancelled = threading.Event()
+        self._sink = None
+
+    def forward_to(self, sink) -> None:
+        """From now on call sink(chunk) for each chunk, on the caller's loop (call it there), the chunks
+        already queued first: no task wakes up per chunk."""
+        self._sink = sink
+        while not self.chunks.empty():
+            item = self.chunks.get_nowait()
+            if item is None:  # (end of stream: stays queued for any iterator)
+                self.chunks.put_nowait(None)
+                break
+            self._deliver(item)
 
     def cancel(self) -> None:
         """The caller gives up: the engine drops the request at its next step. Call on the caller's loop.
@@ -68,12 +84,24 @@ class Delivery:
 
     def chunk(self, chunk: StreamChunk) -> None:
         if self.stream:
-            self._call(self.chunks.put_nowait, chunk)
+            self._call(self._deliver, chunk)
 
     def finish(self, result: EngineResult, last_chunk: StreamChunk | None) -> None:
         if self.stream and last_chunk is not None:
-            self._call(self.chunks.put_nowait, last_chunk)
+            self._call(self._deliver, last_chunk)
         self._call(self._set, result, None)
+
+    def _deliver(self, chunk: StreamChunk) -> None:
+        if self.cancelled.is_set():  # the caller gave up (its final response may be out already)
+            return
+        if self._sink is None:
+            self.chunks.put_nowait(chunk)
+            return
+        try:
+            self._sink(chunk)
+        except Exception:  # (it runs inside the engine's step: its failure must stay this request's)
+            log.exception("a stream's chunk sink failed: dropping its request")
+            self.cancelled.set()
 
     def fail(self, error: BaseException) -> None:
         self._call(self._set, None, error)

@@ -103,16 +103,20 @@ class TritonAdapter:
     async def _serve_stream(self, request_id: str, wire: WireRequest, sender):
         stream = await self._call(wire, stream=True)
         remainder = ""
+
+        def on_chunk(chunk):  # called by the engine as it streams (this loop): straight into the outbox
+            nonlocal remainder
+            if chunk.final:
+                remainder = chunk
+            elif chunk:
+                self._send(sender, chunk_body(chunk, chunk.token_index), final=False)
+
+        stream.forward_to(on_chunk)
         try:
-            async for chunk in stream:
-                if chunk.final:
-                    remainder = chunk
-                elif chunk:
-                    self._send(sender, chunk_body(chunk, chunk.token_index), final=False)
+            result = await stream.result()
         except asyncio.CancelledError:
             stream.cancel()
             raise
-        result = await stream.result()
         self._send(sender, final_stream_body(request_id, result, remainder), final=True)
         return result
 
