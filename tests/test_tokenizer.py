@@ -21,16 +21,3 @@ def test_random_ids_join_to_the_full_decode(tiny_dir):
     detok = IncrementalDetokenizer(tok)
     joined = "".join(detok.add(i) for i in ids) + detok.flush()
     assert joined == tok.decode(ids)
-
-
-def test_window_keeps_cost_flat(tiny_dir):
-    """Long answers: each step decodes a window of a few tokens, never the whole answer."""
-    tok = load_tokenizer(tiny_dir)
-    ids = tok.encode("a fairly long answer, repeated. " * 200).ids
-    detok = IncrementalDetokenizer(tok)
-    widths = []
-    for i in ids:
-        detok.add(i)
-        widths.append(len(detok.tokens) - detok._prefix)
-    assert detok.text + detok.flush() == tok.decode(ids)
-    assert max(widths) <= 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
 def load_tokenizer(folder: str | Path) -> Tokenizer | None:
@@ -13,39 +14,29 @@ def load_tokenizer(folder: str | Path) -> Tokenizer | None:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing token list into text chunks; never emits half a UTF-8 character.
+    """Turns tokens, one at a time, into text chunks; never emits half a UTF-8 character.
 
-    Each call decodes only a short window (the tokens since the last emitted chunk plus the ones just
-    before it, so decoders that treat a leading token specially see the same context), not the whole
-    answer: the cost per token stays flat however long the answer gets. `text` is the join of every
-    chunk so far, `flush()` included.
+    tokenizers' DecodeStream does the work, at a flat cost per token however long the answer gets. `text` is
+    the join of every chunk so far, `flush()` included: the full decode of the tokens.
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self.text = ""
-        self._prefix = 0  # window start
-        self._read = 0  # tokens already turned into emitted text
+        self._stream = DecodeStream(skip_special_tokens=True)  # (as Tokenizer.decode by default)
 
     def add(self, token: int) -> str:
         self.tokens.append(token)
-        before = self.tokenizer.decode(self.tokens[self._prefix:self._read])
-        after = self.tokenizer.decode(self.tokens[self._prefix:])
-        # A trailing U+FFFD is an incomplete multi-byte character: wait for its next bytes.
-        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
-            return ""
-        chunk = after[len(before):]
-        self._prefix, self._read = self._read, len(self.tokens)
+        chunk = self._stream.step(self.tokenizer, token) or ""
         self.text += chunk
         return chunk
 
     def flush(self) -> str:
-        before = self.tokenizer.decode(self.tokens[self._prefix:self._read])
-        after = self.tokenizer.decode(self.tokens[self._prefix:])
-        if not after.startswith(before):  # never seen with byte-level BPE; joining chunks would be wrong
+        """The rest of the full decode: what the stream still holds back (an unfinished character)."""
+        full = self.tokenizer.decode(self.tokens)
+        if not full.startswith(self.text):  # never seen with byte-level BPE; joining chunks would be wrong
             raise RuntimeError("detokenizer output is not prefix-stable")
-        chunk = after[len(before):]
-        self._prefix = self._read = len(self.tokens)
-        self.text += chunk
+        chunk = full[len(self.text):]
+        self.text = full
         return chunk
