@@ -37,6 +37,7 @@ from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention  # noqa: E402
 from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder  # noqa: E402
+from kestrel_backend.runtime.cuda_graphs import capture  # noqa: E402
 from kestrel_backend.runtime.vision_graphs import CropEncoderGraphs  # noqa: E402
 from kestrel_backend.runtime.scheduler import make_attention, make_one_sequence_prefill  # noqa: E402
 
@@ -58,19 +59,9 @@ def timed(fn, warmup=3, iters=20) -> float:
 
 
 def captured(fn, calls: int = 1, warmups: int = 1) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `calls` fn() calls, after warm-up calls on a side stream (Triton compiles, the
-    allocator settles)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
+    """A CUDA graph of `calls` fn() calls, after `warmups` rounds of them on a side stream (the engine's
+    capture: Triton compiles, the allocator settles)."""
+    return capture(lambda: [fn() for _ in range(calls)], warmups=warmups)
 
 
 def graph_timed(fn, calls: int = 8, iters: int = 10) -> float:

@@ -15,6 +15,7 @@ import torch
 
 from ..model.moondream import Moondream
 from ..model.layers import layer_norm, linear, mlp_hidden
+from .cuda_graphs import capture
 from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, greedy_tokens, linear2_residual, norm_linear,
                              norm_linear_attention, rotary_paged_attention)
 from .kv_cache import PagedKVCache
@@ -236,16 +237,8 @@ class CudaGraphDecoder:
                                             self.greedy[parity, :b], self._greedy_host[parity].pinned[:b])
 
     def _graph(self, b: int, long_context: bool, parity: int) -> torch.cuda.CUDAGraph:
-        if (b, long_context, parity) not in self.graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton compiles, allocator settles (writes go to the scratch page)
-                    self._step(b, long_context, parity)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._step(b, long_context, parity)
+        if (b, long_context, parity) not in self.graphs:  # (the warm-up steps write to the scratch page)
+            graph = capture(lambda: self._step(b, long_context, parity), self._pool)
             self._pool = graph.pool()
             self.graphs[b, long_context, parity] = graph
         return self.graphs[b, long_context, parity]

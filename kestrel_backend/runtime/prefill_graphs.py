@@ -13,6 +13,7 @@ import torch
 
 from ..model.moondream import Moondream
 from . import prefill_attention as pa
+from .cuda_graphs import capture
 from .kv_cache import PagedKVCache
 
 BUCKET = 64  # rows: a multiple of the attention kernel's query tile
@@ -56,15 +57,7 @@ class OneSequencePrefill:
 
     def _graph(self, rows: int) -> torch.cuda.CUDAGraph:
         if rows not in self.graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton compiles, the allocator settles
-                    self._forward(rows)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(rows)
+            graph = capture(lambda: self._forward(rows), self._pool)
             self._pool = graph.pool()
             self.graphs[rows] = graph
         return self.graphs[rows]

@@ -12,6 +12,7 @@ import torch
 
 from ..model import vision
 from ..model.moondream import Moondream
+from .cuda_graphs import capture
 
 
 class CropEncoderGraphs:
@@ -31,15 +32,7 @@ class CropEncoderGraphs:
 
     def _graph(self, n: int) -> torch.cuda.CUDAGraph:
         if n not in self.graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: cuDNN and cuBLAS choose their plans, the allocator settles
-                    self._encode(n)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._encode(n)
+            graph = capture(lambda: self._encode(n), self._pool)
             self._pool = graph.pool()
             self.graphs[n] = graph
         return self.graphs[n]
