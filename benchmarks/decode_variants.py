@@ -2,10 +2,12 @@
 context or one program per sequence and head; with programmatic dependent launch or without; the
 attention as a kernel of its own or inside the norm + qkv/fc1 kernel (one kernel), with its context
 splits, cached positions per block and fc1 programs launched before its attention programs; or, with
---tiles, the GEMV tiles of one sequence around the defaults (the sweep behind them). The variants' CUDA
-graphs are replayed in interleaved rounds, so clock drift hits them alike (separate runs differ by 5 to 10%).
+--tiles, the GEMV tiles of one sequence around the defaults (the sweep behind them); or, with --around, what
+the engine's step graph holds around the layers and LM head: the greedy choice, the step inputs' copy and
+the token embedding. The variants' CUDA graphs are replayed in interleaved rounds, so clock drift hits them
+alike (separate runs differ by 5 to 10%).
 
-    python benchmarks/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20] [--tiles]
+    python benchmarks/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20] [--tiles | --around]
 """
 
 import argparse
@@ -45,6 +47,7 @@ class Variant(NamedTuple):
     tiles: dict = {}
     kv_block: int = dk.ONE_KERNEL_KV_BLOCK
     fc1_first: int = dk.ONE_KERNEL_FC1_FIRST
+    around: tuple = ()  # what the step does besides layers and LM head: "greedy", "inputs" (copy + embedding)
 
 
 def _with_tiles(overrides: dict):
@@ -60,10 +63,23 @@ def _with_tiles(overrides: dict):
     return tiles
 
 
+def step(model, x, cache, inputs: StepInputs, logits, splits, greedy, greedy_host, hidden, around: tuple):
+    """The decode step of one variant: with "inputs" in `around`, the step's inputs are copied in first and
+    its rows embedded (x is then only the buffer for rows that are not tokens), as the engine's graph does."""
+    b = x.shape[0]
+    if "inputs" in around:
+        inputs.copy_to_device()
+        x = dk.embed_rows(inputs.tokens(b), model.weights.text.wte, x, greedy)
+    with_greedy = "greedy" in around
+    fused_decode_step(model, x, cache, inputs.rows(b), logits, splits, greedy if with_greedy else None,
+                      greedy_host if with_greedy else None, hidden)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tiles", action="store_true", help="compare GEMV tiles of one sequence instead")
+    p.add_argument("--around", action="store_true", help="compare what the engine's graph adds instead")
     p.add_argument("--contexts", default="64,800")
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args()
@@ -79,6 +95,11 @@ def main() -> None:
                      for s in (8, 16) for n in (0, 64, 192, 256) if n != dk.ONE_KERNEL_FC1_FIRST})
     if args.tiles:  # GEMV tiles of one sequence: (columns, K chunk, warps) per program
         variants = {name: Variant("as the engine", tiles=tiles) for name, tiles in TILE_VARIANTS.items()}
+    if args.around:
+        variants = {"layers + LM head": Variant("as the engine"),
+                    "+ greedy choice": Variant("as the engine", around=("greedy",)),
+                    "+ greedy, input copy, embedding (the engine's graph)": Variant("as the engine",
+                                                                                    around=("greedy", "inputs"))}
     for context in (int(c) for c in args.contexts.split(",")):
         cache = PagedKVCache(config.text, args.batch * (context // 16 + 1), 16, "cuda", torch.bfloat16)
         for i in range(args.batch):
@@ -88,6 +109,9 @@ def main() -> None:
         inputs.copy_to_device()
         x = torch.randn(args.batch, config.text.dim, device="cuda", dtype=torch.bfloat16)
         logits = torch.empty(args.batch, config.text.vocab_size, device="cuda")
+        greedy = torch.empty(args.batch, device="cuda", dtype=torch.int32)
+        greedy_host = torch.empty(args.batch, dtype=torch.int32, pin_memory=True)
+        hidden = torch.empty_like(x)
         graphs = {}
         with torch.inference_mode():
             for name, variant in variants.items():
@@ -98,8 +122,8 @@ def main() -> None:
                 cuda_decode.ATTENTION_IN_NORM_LINEAR = variant.one_kernel
                 dk._tiles = _with_tiles(variant.tiles)
                 dk.ONE_KERNEL_KV_BLOCK, dk.ONE_KERNEL_FC1_FIRST = variant.kv_block, variant.fc1_first
-                graphs[name] = captured(lambda: fused_decode_step(model, x, cache, inputs.rows(args.batch), logits,
-                                                                  splits), warmups=2)
+                graphs[name] = captured(lambda: step(model, x, cache, inputs, logits, splits, greedy, greedy_host,
+                                                     hidden, variant.around), warmups=2)
             default = Variant(None)
             dk.PDL_ENABLED = cuda_decode.ATTENTION_IN_NORM_LINEAR = True
             dk._tiles = DEFAULT_TILES

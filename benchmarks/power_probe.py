@@ -5,10 +5,10 @@
 
 Logs nvidia-smi's SM clock, power and temperature every 20 ms into OUT_DIR/clocks.csv while it measures, with
 a time mark per phase in OUT_DIR/probe.json:
-- the bf16 matmul ceiling as gpu_bench takes it (13 calls of 8192^3 from idle), twice, and sustained (a CUDA
-  graph of 12 back to back, 10 times: about as long as gpu_bench's 10 back-to-back encodes of 13 crops);
-- three interleaved rounds of gpu_bench's vision rows, the engine's CUDA graphs against eager, 13 and 52 crops;
-- ten 13-crop encodes each after 0.2 s idle (as a lone image query meets the GPU);
+- gpu_bench's ceilings, twice: the bf16 matmul from idle (13 calls of 8192^3) and sustained (a CUDA graph of 12
+  back to back, 10 times: about as long as gpu_bench's 10 back-to-back encodes of 13 crops);
+- three interleaved rounds of gpu_bench's vision rows, the engine's CUDA graphs against eager, 13 and 52 crops
+  (the graph rows with ten encodes that each follow 0.2 s idle, as a lone image query meets the GPU);
 - the LM head of one row with and without its greedy epilogue (bans + atomic max), for the decode step.
 With "golden" it first runs gpu_bench's engine check (float32 engine against the reference's outputs).
 """
@@ -50,7 +50,6 @@ def main() -> None:
     from kestrel_backend.model.moondream import Moondream
     from kestrel_backend.model.weights import random_weights
     from kestrel_backend.runtime import decode_kernels as dk
-    from kestrel_backend.runtime.vision_graphs import CropEncoderGraphs
 
     out = Path(sys.argv[1])
     res = {"marks": []}
@@ -65,50 +64,21 @@ def main() -> None:
         if "golden" in sys.argv:
             mark("golden")
             res["engine_golden"] = gb.engine_golden_check()
-        mark("ceilings")
+        mark("ceilings")  # (each with the sustained rate: a CUDA graph of 12 back to back, 10 times)
         res["ceilings"] = [gb.ceilings() for _ in range(2)]
-        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn_like(a)
-        back_to_back = gb.captured(lambda: a @ b, calls=12)
-        mark("sustained")
-        ms = gb.timed(back_to_back.replay, iters=10) / 12
-        res["sustained_TFLOPs"] = 2 * 8192**3 / (ms / 1000) / 1e12
-        print("ceilings", res["ceilings"], "sustained", res["sustained_TFLOPs"], flush=True)
-        del a, b, back_to_back
-        torch.cuda.empty_cache()
+        print("ceilings", res["ceilings"], flush=True)
 
         config = MoondreamConfig()
         model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
-        rate = res["ceilings"][0]["bf16_matmul_TFLOPs"] * 1e12
         res["vision"] = []
-        for r in range(3):
+        for r in range(3):  # (the engine's graph rows include ten encodes from idle)
             for variant in ("graph", "eager"):
                 for n in (13, 52):
                     mark(f"vision {variant} {n} r{r}")
-                    row = gb.vision_bench(model, rate, variant, n)
+                    row = gb.vision_bench(model, res["ceilings"][0], variant, n)
                     row["round"] = r
                     res["vision"].append(row)
                     print(json.dumps(row), flush=True)
-
-        encode = CropEncoderGraphs(model)
-        crops = torch.randn(13, 3, 378, 378, device="cuda", dtype=torch.bfloat16)
-        with torch.inference_mode():
-            encode(crops)
-            torch.cuda.synchronize()
-            mark("vision cool")
-            times = []
-            for _ in range(10):
-                time.sleep(0.2)
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                encode(crops)
-                e1.record()
-                e1.synchronize()
-                times.append(e0.elapsed_time(e1))
-        res["vision_cool_13_ms"] = times
-        print("from idle", statistics.median(times), times, flush=True)
-        del encode
-        torch.cuda.empty_cache()
 
         mark("lm head")
         bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -117,13 +87,13 @@ def main() -> None:
         head, head_b = torch.randn(51200, 2048, **bf) / 45, torch.randn(51200, **bf)
         logits = torch.empty(1, 51200, device="cuda", dtype=torch.float32)
         banned = torch.full((1, 4), -1, device="cuda", dtype=torch.int32)
-        best = torch.full((1,), torch.iinfo(torch.int64).min, device="cuda")
+        best = dk.greedy_keys(1, "cuda")
         lm = {}
         for _ in range(3):
             for tiles in (None, (1, 4, 2048, 4, 2, False), (1, 16, 1024, 4, 2, False), (1, 8, 2048, 8, 2, False)):
                 for greedy in (False, True):
                     kw = dict(banned=banned, best=best) if greedy else {}
-                    call = lambda: (best.fill_(-2**63) if greedy else None,  # noqa: E731
+                    call = lambda: (best.zero_() if greedy else None,  # noqa: E731
                                     dk.norm_linear(x, ln_w, ln_b, head, head_b, out1=logits, tiles=tiles, **kw))
                     lm.setdefault(f"{tiles} greedy={greedy}", []).append(gb.graph_timed(call, calls=8) * 1000)
         res["lm_head_us"] = lm

@@ -66,7 +66,7 @@ def launch_everything() -> None:
                               torch.zeros(cfg.ff_dim, cfg.dim, **f), torch.zeros(cfg.ff_dim, **f))
             dk.norm_linear(x, ln, ln, wq, bq, wf, bf, gelu2=True)
             dk.norm_linear(x, ln, ln, wf, bf, out1=torch.zeros(m, cfg.ff_dim),
-                           banned=torch.zeros(m, 2, dtype=torch.int32), best=torch.zeros(m, dtype=torch.int64))
+                           banned=torch.zeros(m, 2, dtype=torch.int32), best=dk.greedy_keys(m, "cpu"))
             dk.linear2_residual(x, wq[:cfg.dim], torch.zeros(m, cfg.ff_dim, **f), wf.T.contiguous(), x, ln)
             cache = torch.zeros(64 * page, h, d, **f)
             tables, lens = torch.zeros(m, 4, dtype=torch.int32), torch.ones(m, dtype=torch.int32)
@@ -77,7 +77,7 @@ def launch_everything() -> None:
                 if m == 1 and splits in (1, 8):
                     dk.norm_linear_attention(x, ln, ln, wq, bq, wf, bf, cos, cos, cache, cache, tables, lens, lens,
                                              page, torch.zeros(2 * h, dtype=torch.int32), splits)
-            dk.greedy_tokens(torch.zeros(m, dtype=torch.int64), host_out=torch.zeros(m, dtype=torch.int32))
+            dk.greedy_tokens(dk.greedy_keys(m, "cpu"), host_out=torch.zeros(m, dtype=torch.int32))
             dk.embed_rows(torch.zeros(m, dtype=torch.int32), torch.zeros(16, cfg.dim, **f), x,
                           torch.zeros(m, dtype=torch.int32))
             rope_qk_inplace(torch.zeros(m, 3 * cfg.dim, **f), cos, cos, 2 * h, d)  # (prefill)

@@ -42,11 +42,17 @@ def test_norm_linear_matches_layer_norm_then_linear(m):
     w1[300:], b1[300:] = w1[100:184], b1[100:184]  # tokens 100 and 300 tie for the best logit of every row
     banned = torch.full((m, 2), -1, dtype=torch.int32)
     banned[0] = torch.tensor([100, 5])
-    best = torch.full((m,), torch.iinfo(torch.int64).min)
+    best = dk.greedy_keys(m, "cpu")
     dk.norm_linear(x, ln_w, ln_b, w1, b1, out1=logits, banned=banned, best=best)
     assert logits[0, 100] == logits[0, 5] == float("-inf")
     host = torch.full((m,), -1, dtype=torch.int32)  # (on a GPU: pinned host memory the kernel writes into)
     assert dk.greedy_tokens(best, host_out=host).tolist() == host.tolist() == [300] + [100] * (m - 1)
+
+    # ... where every logit is negative (their keys still above an empty key's zeros)
+    b1 -= 5000
+    best = dk.greedy_keys(m, "cpu")
+    dk.norm_linear(x, ln_w, ln_b, w1, b1, out1=logits, banned=banned, best=best)
+    assert logits.max() < 0 and dk.greedy_tokens(best).tolist() == logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("m", [1, 33])

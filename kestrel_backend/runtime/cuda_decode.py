@@ -29,11 +29,12 @@ ONE_KERNEL_SPLITS = 8  # its context splits for long contexts (H100, interleaved
 
 def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, inputs: "StepTensors",
                       logits_out: torch.Tensor, context_splits: int | None = None,
-                      greedy_out: torch.Tensor | None = None, greedy_host: torch.Tensor | None = None) -> torch.Tensor:
+                      greedy_out: torch.Tensor | None = None, greedy_host: torch.Tensor | None = None,
+                      hidden_out: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step (one new token per sequence) with the fused kernels, then the final norm and LM
-    head. Writes float32 logits into logits_out; returns the hidden states. With greedy_out, in the GEMV
-    form the LM head also bans each row's inputs.banned tokens and writes its greedy token there (and
-    into greedy_host, pinned host memory, if given).
+    head. Writes float32 logits into logits_out; returns the hidden states (written into hidden_out if
+    given). With greedy_out, in the GEMV form the LM head also bans each row's inputs.banned tokens and
+    writes its greedy token there (and into greedy_host, pinned host memory, if given).
 
     Up to GEMV_MAX_ROWS sequences every weight is streamed by our kernels (for one sequence the
     attention runs inside the norm + qkv/fc1 kernel); past that, the norm + qkv/fc1 and the LM head go
@@ -42,11 +43,8 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     cfg, w, page = model.config.text, model.weights.text, cache.page_size
     gemv = x.shape[0] <= GEMV_MAX_ROWS
     one_kernel = x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR
-    if one_kernel:  # zeros for the attention programs' counters: one row per layer
-        sync = torch.zeros(len(w.blocks), cfg.n_heads * (1 + x.shape[0]), device=x.device, dtype=torch.int32)
-    best = None  # (filled here, not just before the LM head: that would hold up its start under PDL)
-    if gemv and greedy_out is not None:
-        best = torch.full(greedy_out.shape, torch.iinfo(torch.int64).min, device=x.device)
+    sync, best = _step_counters(len(w.blocks), cfg.n_heads, x.shape[0], one_kernel, gemv and greedy_out is not None,
+                                x.device)
     for i, block in enumerate(w.blocks):
         if one_kernel:
             out, g = norm_linear_attention(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
@@ -62,7 +60,9 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
                 qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
             out = rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[i], cache.v[i], inputs.block_tables,
                                          inputs.seq_lens, inputs.slots, cfg.n_heads, page, splits=context_splits)
-        x = linear2_residual(out, block.proj.weight, g, block.mlp.fc2.weight, x, block.out_bias)
+        last = i == len(w.blocks) - 1  # (straight into hidden_out: no copy node between it and the LM head)
+        x = linear2_residual(out, block.proj.weight, g, block.mlp.fc2.weight, x, block.out_bias,
+                             out=hidden_out if last else None)
     if gemv:
         norm_linear(x, w.post_ln.weight, w.post_ln.bias, w.lm_head.weight, w.lm_head.bias, out1=logits_out,
                     banned=inputs.banned, best=best)
@@ -71,6 +71,21 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     else:
         logits_out.copy_(model.logits(x))
     return x
+
+
+def _step_counters(layers: int, heads: int, rows: int, one_kernel: bool, greedy: bool, device):
+    """Zeros for the one kernel's counters (sync: [layers, heads * (1 + rows)] int32) and the LM head's
+    greedy keys (best: greedy_keys(rows)), or None where unused: one allocation, so one memset node in
+    the step's graph. Made here, not just before the LM head: that would hold up its start under PDL."""
+    sync_n = layers * heads * (1 + rows) if one_kernel else 0
+    keys_at = sync_n + sync_n % 2  # the keys' int64 start 8-byte aligned
+    keys_n = 2 * rows if greedy else 0
+    if not keys_at + keys_n:
+        return None, None
+    zeros = torch.zeros(keys_at + keys_n, device=device, dtype=torch.int32)
+    sync = zeros[:sync_n].view(layers, -1) if one_kernel else None
+    best = zeros[keys_at:].view(torch.int64) if greedy else None
+    return sync, best
 
 
 @dataclass
@@ -233,8 +248,8 @@ class CudaGraphDecoder:
             splits = None if long_context else 1
         else:
             splits = MANY_ROWS_SPLITS if long_context else None
-        self.hidden[:b] = fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,
-                                            self.greedy[parity, :b], self._greedy_host[parity].pinned[:b])
+        fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,
+                          self.greedy[parity, :b], self._greedy_host[parity].pinned[:b], self.hidden[:b])
 
     def _graph(self, b: int, long_context: bool, parity: int) -> torch.cuda.CUDAGraph:
         if (b, long_context, parity) not in self.graphs:  # (the warm-up steps write to the scratch page)

@@ -123,17 +123,23 @@ def _store_columns(out_ptr, acc, offs_m, m_mask, offs_n, N: tl.constexpr):
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
+TOKEN_BITS = 17  # a greedy key's low bits: 2^17 - 1 - token (vocabularies below 2^17 - 1 tokens)
+
+
 @triton.jit
-def _greedy_epilogue(acc, banned_ptr, best_ptr, offs_m, m_mask, offs_n, BANNED: tl.constexpr):
+def _greedy_epilogue(acc, banned_ptr, best_ptr, offs_m, m_mask, offs_n, BANNED: tl.constexpr,
+                     TOKEN_BITS: tl.constexpr):
     """Logits of the LM head: the rows' banned tokens (BANNED per row, -1 for none) become -inf, and
-    each row's best (logit, lowest token id) goes into best[row] as one int64 by atomic max. The
-    float's bits, made to order like signed ints, are the high half; 2^32 - 1 - token the low half."""
+    each row's best (logit, lowest token id) goes into best[row] as one int64 key by atomic max. A key
+    is above 0, so zeros is "none yet" (and shares a memset with other zeros): the float's bits, made
+    to order like unsigned ints, above 2^TOKEN_BITS - 1 - token. (Spreading the 6,400 programs' atomic
+    max over 64 keys per row measured no faster on the H100.)"""
     for j in tl.static_range(BANNED):
         ban = tl.load(banned_ptr + offs_m * BANNED + j, mask=m_mask, other=-1)
         acc = tl.where(offs_n[None, :] == ban[:, None], float("-inf"), acc)
     bits = acc.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = (ordered.to(tl.int64) << 32) | (4294967295 - offs_n.to(tl.int64))[None, :]
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+    key = (ordered << TOKEN_BITS) | ((1 << TOKEN_BITS) - 1 - offs_n.to(tl.int64))[None, :]
     tl.atomic_max(best_ptr + offs_m, tl.max(key, 1), mask=m_mask)
     return acc
 
@@ -156,7 +162,8 @@ def _columns_and_first_tile(pid, w1_ptr, w2_ptr, N1: tl.constexpr, K: tl.constex
 @triton.jit
 def _norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_ptr, w2_ptr, bias2_ptr, out2_ptr,
                         banned_ptr, best_ptr, M, eps, K: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
-                        GELU2: tl.constexpr, GREEDY: tl.constexpr, BANNED: tl.constexpr, BLOCK_M: tl.constexpr,
+                        GELU2: tl.constexpr, GREEDY: tl.constexpr, BANNED: tl.constexpr, TOKEN_BITS: tl.constexpr,
+                        BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_K: tl.constexpr, USE_DOT: tl.constexpr,
                         PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, N1 / BLOCK_N) fill out1 from w1, the rest out2 from w2; all share the normed x.
@@ -170,7 +177,7 @@ def _norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_p
         acc = _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w1_ptr, w_first, bias1_ptr, offs_n, offs_m,
                                 m_mask, K, False, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
         if GREEDY:
-            acc = _greedy_epilogue(acc, banned_ptr, best_ptr, offs_m, m_mask, offs_n, BANNED)
+            acc = _greedy_epilogue(acc, banned_ptr, best_ptr, offs_m, m_mask, offs_n, BANNED, TOKEN_BITS)
         _store_columns(out1_ptr, acc, offs_m, m_mask, offs_n, N1)
     else:
         acc = _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w2_ptr, w_first, bias2_ptr, offs_n, offs_m,
@@ -282,13 +289,14 @@ def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu2: bo
 
     x [M, K] with unit column stride; weights [N, K] contiguous -> out1 [M, N1] (x's dtype unless a
     contiguous out1 of any dtype is given) and out2 [M, N2] or None. tiles: _tiles()'s tuple, to tune.
-    For an LM head (no w2), banned [M, j] int32 (-1: none) and best [M] int64 filled with int64's minimum
-    ask for the bans applied to out1 and each row's greedy choice packed into best (greedy_tokens)."""
+    For an LM head (no w2), banned [M, j] int32 (-1: none) and best (greedy_keys(M)) ask for the bans
+    applied to out1 and each row's greedy choice packed into best (greedy_tokens reads it)."""
     m, k = x.shape
     n1, n2 = w1.shape[0], (w2.shape[0] if w2 is not None else 0)
     assert x.stride(1) == 1 and w1.is_contiguous() and (w2 is None or w2.is_contiguous())
     greedy = best is not None
-    assert not greedy or (not n2 and banned.shape[0] == m and banned.is_contiguous() and best.shape == (m,))
+    assert not greedy or (not n2 and banned.shape[0] == m and banned.is_contiguous() and best.shape == (m,)
+                          and best.dtype == torch.int64 and n1 < (1 << TOKEN_BITS) - 1)
     block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n1, n2 or n1), (k,), x.dtype,
                                                                         _small_shared_memory(x.device))
     if out1 is None:
@@ -299,17 +307,25 @@ def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu2: bo
     _norm_linear_kernel[grid](x, x.stride(0), ln_weight, ln_bias, w1, bias1, out1, w2 if n2 else w1,
                               bias2 if n2 else bias1, out2, banned if greedy else x, best if greedy else x, m, LN_EPS,
                               K=k, N1=n1, N2=n2, GELU2=gelu2, GREEDY=greedy, BANNED=banned.shape[1] if greedy else 0,
+                              TOKEN_BITS=TOKEN_BITS,
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=_stats_chunk(k, block_m),
                               USE_DOT=use_dot, PRECISION=_precision(x), num_warps=warps, num_stages=stages,
                               **_pdl(x.device, m))
     return out1, (out2 if n2 else None)
 
 
+def greedy_keys(m: int, device) -> torch.Tensor:
+    """Room for m rows' greedy keys (norm_linear's best): zeros, which no key is."""
+    return torch.zeros(m, device=device, dtype=torch.int64)
+
+
 @triton.jit
-def _greedy_tokens_kernel(best_ptr, out_ptr, host_ptr, n, BLOCK: tl.constexpr, TO_HOST: tl.constexpr):
+def _greedy_tokens_kernel(best_ptr, out_ptr, host_ptr, n, BLOCK: tl.constexpr, TOKEN_BITS: tl.constexpr,
+                          TO_HOST: tl.constexpr):
     rows = tl.arange(0, BLOCK)
     mask = rows < n
-    tokens = ~tl.load(best_ptr + rows, mask=mask).to(tl.int32)  # the key's low word is ~token
+    low = tl.load(best_ptr + rows, mask=mask) & ((1 << TOKEN_BITS) - 1)  # a key's low bits: 2^TOKEN_BITS - 1 - token
+    tokens = ((1 << TOKEN_BITS) - 1 - low).to(tl.int32)
     tl.store(out_ptr + rows, tokens, mask=mask)
     if TO_HOST:
         tl.store(host_ptr + rows, tokens, mask=mask)
@@ -317,14 +333,15 @@ def _greedy_tokens_kernel(best_ptr, out_ptr, host_ptr, n, BLOCK: tl.constexpr, T
 
 def greedy_tokens(best: torch.Tensor, out: torch.Tensor | None = None,
                   host_out: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 token ids out of norm_linear's packed best (logit, token) keys [M] int64, into out and, if
-    given, host_out: pinned host memory that the kernel writes itself (zero-copy), so the tokens reach
-    the host without a copy in the stream (about 10 us per step on the H100)."""
+    """int32 token ids out of norm_linear's greedy keys (best [M] int64), into out and, if given,
+    host_out: pinned host memory that the kernel writes itself (zero-copy), so the tokens reach the host
+    without a copy in the stream (about 10 us per step on the H100)."""
     n = best.shape[0]
     out = torch.empty(n, device=best.device, dtype=torch.int32) if out is None else out
     assert out.is_contiguous() and (host_out is None or (host_out.is_contiguous() and host_out.shape[0] >= n))
     _greedy_tokens_kernel[(1,)](best, out, out if host_out is None else host_out, n,
-                                BLOCK=triton.next_power_of_2(max(n, 16)), TO_HOST=host_out is not None)
+                                BLOCK=triton.next_power_of_2(max(n, 16)), TOKEN_BITS=TOKEN_BITS,
+                                TO_HOST=host_out is not None)
     return out
 
 
@@ -333,14 +350,17 @@ def _stats_chunk(k: int, block_m: int) -> int:
     return min(k, max(16, 4096 // block_m))
 
 
-def linear2_residual(a, w1, c, w2, residual, bias, tiles=None):
-    """residual + a @ w1.T + c @ w2.T + bias in one pass (rows of a, c, residual may be strided)."""
+def linear2_residual(a, w1, c, w2, residual, bias, tiles=None, out=None):
+    """residual + a @ w1.T + c @ w2.T + bias in one pass (rows of a, c, residual may be strided), into out
+    (contiguous) if given."""
     m, n = residual.shape
     assert a.stride(1) == c.stride(1) == residual.stride(1) == 1 and w1.is_contiguous() and w2.is_contiguous()
     one_row = dict(gemv_programs=512, gemv_warps=8) if m == 1 else {}  # (the whole-step sweep in PERFORMANCE.md)
     block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n,), (a.shape[1], c.shape[1]), a.dtype,
                                                                         _small_shared_memory(a.device), **one_row)
-    out = torch.empty(m, n, device=residual.device, dtype=residual.dtype)
+    if out is None:
+        out = torch.empty(m, n, device=residual.device, dtype=residual.dtype)
+    assert out.shape == (m, n) and out.is_contiguous()
     grid = (n // block_n, triton.cdiv(m, block_m))
     _linear2_residual_kernel[grid](a, a.stride(0), w1, c, c.stride(0), w2, residual, residual.stride(0), bias, out, m,
                                    K1=a.shape[1], K2=c.shape[1], N=n, BLOCK_M=block_m, BLOCK_N=block_n,
