@@ -3,15 +3,15 @@
     python -m kestrel_backend.triton.local_server [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
 
 The wheel ships the server, the Python backend and backend stubs per Python version; this builds
-a backend folder with the stub of the running Python and starts the server with the library path
-and PYTHONPATH the stub needs to find libpython and our packages.
+a backend folder with the stub of the running Python and starts the server with the library path the
+stub needs to find libpython. The stub's interpreter ignores PYTHONPATH and takes its packages from the
+environment of the `python3` first on PATH, so the running Python's folder goes first on PATH.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import site
 import sys
 import sysconfig
 from pathlib import Path
@@ -57,7 +57,7 @@ def server_command(http: int, grpc: int, metrics: int, repository: Path = REPOSI
     libs = [str(src.parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or ""]
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = ":".join([p for p in libs if p] + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
-    env["PYTHONPATH"] = ":".join([str(PROJECT), *site.getsitepackages(), env.get("PYTHONPATH", "")]).rstrip(":")
+    env["PATH"] = ":".join([str(Path(sys.executable).parent), env.get("PATH", "")]).rstrip(":")
     cmd = [str(src / "bin" / "tritonserver"), f"--model-repository={repository}",
            f"--backend-directory={backend_dir(work / 'backends')}", f"--http-port={http}", f"--grpc-port={grpc}",
            f"--metrics-port={metrics}", "--allow-metrics=true", "--log-verbose=0"]
