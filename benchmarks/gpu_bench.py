@@ -309,8 +309,7 @@ def engine_golden_check() -> dict:
                 ok += len(r.output[key]) == len(c[key]) and all(
                     abs(o[k] - min(1.0, max(0.0, g[k]))) <= 1e-4 for o, g in zip(r.output[key], c[key]) for k in g)
         stats = engine.stats()
-        idle = stats["pages_used"] == 0 and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
-        return {"engine_fp32_golden_equal": f"{ok}/{len(batch)}", "pages_free_after": idle,
+        return {"engine_fp32_golden_equal": f"{ok}/{len(batch)}", "pages_free_after": engine.no_request_holds_pages(),
                 "prefix_hits": stats["prefix_hits"], "decode_steps_launched_ahead": dict(engine.scheduler.steps_ahead)}
     finally:
         engine.shutdown()

@@ -135,6 +135,11 @@ class InferenceEngine:
         """Requests accepted but not yet running: being admitted (image decode) or waiting for a slot."""
         return len(self.scheduler.waiting) + self._admitting
 
+    def no_request_holds_pages(self) -> bool:
+        """Every KV page is free or kept by the prefix cache alone: what must hold once requests have ended."""
+        s = self.stats()
+        return s["pages_used"] == 0 and s["pages_free"] + s["pages_cached"] == s["pages_total"]
+
     # --- counts for metrics ---
     def stats(self) -> dict:
         s = self.scheduler

@@ -21,12 +21,6 @@ def engine(tiny_dir):
     assert not eng._thread.is_alive()
 
 
-def no_request_holds_pages(engine) -> bool:
-    """Every KV page is free or kept by the prefix cache alone."""
-    s = engine.stats()
-    return s["pages_used"] == 0 and s["pages_free"] + s["pages_cached"] == s["pages_total"]
-
-
 @pytest.fixture(scope="module")
 def golden(tiny_dir):
     cases = json.loads((tiny_dir / "cases.json").read_text())["cases"]
@@ -78,7 +72,7 @@ def test_batched_equals_alone_equals_golden(engine, tiny_dir, golden):
     for case, result in zip(cases, batched):
         _check_against_golden(engine, case, result)
         assert result.output == single[golden.index(case)].output
-    assert no_request_holds_pages(engine)
+    assert engine.no_request_holds_pages()
 
 
 def test_stream_chunks_join_to_final_text(engine, tiny_dir):
@@ -126,7 +120,7 @@ def test_stream_forwarded_to_a_sink_on_the_engine_loop(engine, tiny_dir):
     for chunks, result in (ok, ok2):
         assert "".join(chunks) == result.output["caption"] == alone.output["caption"] and len(chunks) > 1
     assert isinstance(failed, RequestCancelled)
-    assert no_request_holds_pages(engine)
+    assert engine.no_request_holds_pages()
 
 
 class ScriptedText(Generation):
@@ -185,7 +179,7 @@ def test_pages_all_free_after_finished_failed_and_cancelled(engine, tiny_dir):
     assert isinstance(results[4], InvalidRequest) and "IMAGE" in str(results[4])
     assert isinstance(results[5], InvalidRequest) and "top_p" in str(results[5])
     assert all(isinstance(c, RequestCancelled) for c in cancelled)
-    assert no_request_holds_pages(engine)
+    assert engine.no_request_holds_pages()
     assert engine.stats()["running"] == 0 and engine.stats()["queue_depth"] == 0
 
 
@@ -203,7 +197,7 @@ def test_fault_in_a_step_fails_that_batch_and_engine_keeps_serving(engine):
     failed, ok = asyncio.run(run())
     assert isinstance(failed, EngineError) and "injected device fault" in str(failed)
     assert ok.finish_reason in ("stop", "length")
-    assert no_request_holds_pages(engine)
+    assert engine.no_request_holds_pages()
 
 
 def test_repeated_step_failures_mark_the_engine_unhealthy(tiny_dir):
@@ -222,7 +216,7 @@ def test_repeated_step_failures_mark_the_engine_unhealthy(tiny_dir):
         for _ in range(3):
             assert all(isinstance(r, EngineError) for r in asyncio.run(run()))
         assert not eng.healthy
-        assert no_request_holds_pages(eng)
+        assert eng.no_request_holds_pages()
     finally:
         eng.shutdown()
 
@@ -240,7 +234,7 @@ def test_overload_rejects_only_the_excess(tiny_dir):
         done = [r for r in results if not isinstance(r, Exception)]
         assert errors and all(isinstance(e, EngineOverloaded) and "overloaded" in str(e) for e in errors)
         assert 3 <= len(done) <= 3 + 1 + 2  # queue + running, give or take steps that ran in between
-        assert no_request_holds_pages(eng)
+        assert eng.no_request_holds_pages()
     finally:
         eng.shutdown()
 
@@ -287,7 +281,7 @@ def test_a_burst_on_one_new_image_decodes_it_once_and_survives_a_cancel(engine, 
     assert all(r.output["answer"] is not None for r in results[1:6])
     assert all(isinstance(r, InvalidRequest) and "IMAGE" in str(r) for r in results[6:])
     assert decoded.count(image) == 1 and decoded.count(image[:200]) == 1
-    assert engine._decoding == {} and no_request_holds_pages(engine)
+    assert engine._decoding == {} and engine.no_request_holds_pages()
 
 
 def test_bad_inputs_are_named(engine):
@@ -391,7 +385,7 @@ def test_requests_on_one_image_share_its_prefix_pages(tiny_dir):
         assert eng.stats()["prefix_hits"] == 2 and eng.stats()["pages_cached"] == prefix_pages
         assert eng.scheduler.prefixes.lookup(image_key(c)) == [] and eng.scheduler.prefixes.lookup(image_key(b))
         assert asyncio.run(ask(b)).finish_reason in ("stop", "length") and eng.stats()["prefix_hits"] == 3
-        assert no_request_holds_pages(eng)
+        assert eng.no_request_holds_pages()
     finally:
         eng.shutdown()
 
