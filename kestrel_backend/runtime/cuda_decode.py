@@ -15,7 +15,7 @@ import torch
 
 from ..model.moondream import Moondream
 from ..model.layers import layer_norm, linear, mlp_hidden
-from .cuda_graphs import capture
+from .cuda_graphs import CapturedGraphs
 from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, greedy_tokens, linear2_residual, norm_linear,
                              norm_linear_attention, rotary_paged_attention)
 from .kv_cache import PagedKVCache
@@ -234,8 +234,7 @@ class CudaGraphDecoder:
         self.hidden = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)
         self.greedy = torch.zeros(2, max_batch, device=dev, dtype=torch.int32)
         self._greedy_host = [HostTokens(max_batch) for _ in range(2)]
-        self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        self.graphs = CapturedGraphs()  # by (bucket, long context, parity)
         self._parity = 1
 
     FED_BACK = FED_BACK  # (for the scheduler, which does not import the kernels)
@@ -252,11 +251,8 @@ class CudaGraphDecoder:
                           self.greedy[parity, :b], self._greedy_host[parity].pinned[:b], self.hidden[:b])
 
     def _graph(self, b: int, long_context: bool, parity: int) -> torch.cuda.CUDAGraph:
-        if (b, long_context, parity) not in self.graphs:  # (the warm-up steps write to the scratch page)
-            graph = capture(lambda: self._step(b, long_context, parity), self._pool)
-            self._pool = graph.pool()
-            self.graphs[b, long_context, parity] = graph
-        return self.graphs[b, long_context, parity]
+        # (the warm-up steps write to the scratch page)
+        return self.graphs.get_or_capture((b, long_context, parity), lambda: self._step(b, long_context, parity))
 
     @staticmethod
     def _variants(bucket: int) -> list[bool]:

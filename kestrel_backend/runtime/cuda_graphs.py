@@ -19,3 +19,17 @@ def capture(fn, pool=None, warmups: int = 2) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph, pool=pool):
         fn()
     return graph
+
+
+class CapturedGraphs(dict):
+    """CUDA graphs by key, each captured on first use; all share one memory pool (they run one at a time)."""
+
+    def __init__(self):
+        super().__init__()
+        self._pool = None
+
+    def get_or_capture(self, key, fn) -> torch.cuda.CUDAGraph:
+        if key not in self:
+            self[key] = capture(fn, self._pool)
+            self._pool = self[key].pool()
+        return self[key]

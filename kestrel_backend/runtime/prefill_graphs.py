@@ -13,7 +13,7 @@ import torch
 
 from ..model.moondream import Moondream
 from . import prefill_attention as pa
-from .cuda_graphs import capture
+from .cuda_graphs import CapturedGraphs
 from .kv_cache import PagedKVCache
 
 BUCKET = 64  # rows: a multiple of the attention kernel's query tile
@@ -47,8 +47,7 @@ class OneSequencePrefill:
         self.last = torch.zeros(1, device=dev, dtype=torch.long)
         self.logits = torch.zeros(1, model.config.text.vocab_size, device=dev, dtype=torch.float32)
         self.hidden = torch.zeros(1, model.config.text.dim, device=dev, dtype=model.dtype)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        self.graphs = CapturedGraphs()  # by rows
 
     def _forward(self, rows: int) -> None:
         hidden = self.model.forward(self.x[:rows], self.positions[:rows], _BucketAttention(self, rows))
@@ -56,11 +55,7 @@ class OneSequencePrefill:
         self.logits.copy_(self.model.logits(self.hidden))
 
     def _graph(self, rows: int) -> torch.cuda.CUDAGraph:
-        if rows not in self.graphs:
-            graph = capture(lambda: self._forward(rows), self._pool)
-            self._pool = graph.pool()
-            self.graphs[rows] = graph
-        return self.graphs[rows]
+        return self.graphs.get_or_capture(rows, lambda: self._forward(rows))
 
     def warmup(self) -> None:
         """Capture the lengths most requests have now, not under the first of them: a short text prompt, and

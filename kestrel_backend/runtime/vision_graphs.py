@@ -12,7 +12,7 @@ import torch
 
 from ..model import vision
 from ..model.moondream import Moondream
-from .cuda_graphs import capture
+from .cuda_graphs import CapturedGraphs
 
 
 class CropEncoderGraphs:
@@ -24,18 +24,13 @@ class CropEncoderGraphs:
         self.weights, self.config = model.weights.vision, v
         self.crops = torch.zeros(max_crops, 3, v.crop_size, v.crop_size, device=model.device, dtype=model.dtype)
         self.features = torch.zeros(max_crops, v.grid * v.grid, v.enc_dim, device=model.device, dtype=model.dtype)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        self.graphs = CapturedGraphs()  # by crop count
 
     def _encode(self, n: int) -> None:
         vision.encode_crops(self.crops[:n], self.weights, self.config, out=self.features[:n])
 
     def _graph(self, n: int) -> torch.cuda.CUDAGraph:
-        if n not in self.graphs:
-            graph = capture(lambda: self._encode(n), self._pool)
-            self._pool = graph.pool()
-            self.graphs[n] = graph
-        return self.graphs[n]
+        return self.graphs.get_or_capture(n, lambda: self._encode(n))
 
     def warmup(self) -> None:
         """Capture the crop counts one image has (its global view plus 1 to max_crops tiles)."""
