@@ -29,15 +29,17 @@ from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 
 
 DEFAULT_TILES = dk._tiles
-TILE_VARIANTS = {"default": {}, "norm+qkv/fc1+attention 8 x 2048": {"front": (8, 2048, 4)},
-                 "norm+qkv/fc1+attention 4 x 2048": {"front": (4, 2048, 4)},
-                 "norm+qkv/fc1+attention 16 x 1024": {"front": (16, 1024, 4)},
-                 "norm+qkv/fc1+attention 8 x 1024, 8 warps": {"front": (8, 1024, 8)},
+TILE_VARIANTS = {"default": {}, "norm+qkv/fc1+attention 8 x 1024": {"front": (8, 1024, 4)},
+                 "norm+qkv/fc1+attention 8 x 2048": {"front": (8, 2048, 4)},
+                 "norm+qkv/fc1+attention 4 x 1024": {"front": (4, 1024, 4)},
+                 "norm+qkv/fc1+attention 2 x 2048": {"front": (2, 2048, 4)},
+                 "norm+qkv/fc1+attention 4 x 2048, 8 warps": {"front": (4, 2048, 8)},
+                 "out-proj+fc2 4 columns, 8 warps": {"back": (4, 2048, 8)},
                  "out-proj+fc2 2 columns, 4 warps": {"back": (2, 2048, 4)},
-                 "out-proj+fc2 4 columns, 4 warps": {"back": (4, 2048, 4)},
-                 "out-proj+fc2 8 columns, 8 warps": {"back": (8, 2048, 8)},
-                 "out-proj+fc2 4 x 1024, 8 warps": {"back": (4, 1024, 8)},
-                 "LM head 8 columns, 8 warps": {"lm": (8, 2048, 8)}}
+                 "out-proj+fc2 8 columns, 4 warps": {"back": (8, 2048, 4)},
+                 "out-proj+fc2 4 x 1024, 4 warps": {"back": (4, 1024, 4)},
+                 "LM head 8 columns, 8 warps": {"lm": (8, 2048, 8)},
+                 "LM head 4 columns": {"lm": (4, 2048, 4)}}
 
 
 class Variant(NamedTuple):
@@ -92,7 +94,7 @@ def main() -> None:
     variants.update({f"one kernel, {s} splits, KV block {kv}": Variant(s, kv_block=kv)
                      for s, kv in ((4, 128), (8, 128), (16, 32)) if kv != dk.ONE_KERNEL_KV_BLOCK})
     variants.update({f"one kernel, {s} splits, {n} fc1 programs first": Variant(s, fc1_first=n)
-                     for s in (8, 16) for n in (0, 64, 192, 256) if n != dk.ONE_KERNEL_FC1_FIRST})
+                     for s in (8, 16) for n in (0, 64, 192, 256, 384) if n != dk.ONE_KERNEL_FC1_FIRST})
     if args.tiles:  # GEMV tiles of one sequence: (columns, K chunk, warps) per program
         variants = {name: Variant("as the engine", tiles=tiles) for name, tiles in TILE_VARIANTS.items()}
     if args.around:

@@ -251,7 +251,7 @@ def one_kernel_check(cfg, f: dict, runs: int = 30) -> dict:
         wq, bq = torch.randn(3 * cfg.dim, cfg.dim, **f) / 45, torch.randn(3 * cfg.dim, **f)
         wf, bf = torch.randn(cfg.ff_dim, cfg.dim, **f) / 45, torch.randn(cfg.ff_dim, **f)
         cos, sin = torch.rand(m, cfg.rope_dim // 2, device="cuda"), torch.rand(m, cfg.rope_dim // 2, device="cuda")
-        same_tiles = dk._tiles(m, (3 * cfg.dim, cfg.ff_dim), (cfg.dim,), x.dtype, gemv_max_k=1024)  # as the one kernel
+        same_tiles = dk.one_kernel_tiles(m, (3 * cfg.dim, cfg.ff_dim), cfg.dim, x.dtype)
         qkv, fc1 = dk.norm_linear(x, ln_w, ln_b, wq, bq, wf, bf, gelu2=True, tiles=same_tiles)
         ref = dk.rotary_paged_attention(qkv, cos, sin, k, v, tables, seq_lens, slots, h, page, splits=splits).double()
         worst = 0.0

@@ -96,12 +96,20 @@ def _normed_matmul(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, w_first, of
     is the first chunk of the weight, which the caller loads before waiting for the previous kernel: in
     the GEMV form; with tensor cores the loop loads it (a chunk held ahead would need shared memory)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if not USE_DOT:
-        acc = _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_first, offs_m, m_mask, 0, BLOCK_K,
+    if USE_DOT:
+        for k0 in range(0, K, BLOCK_K):
+            acc = _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr,
+                              _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K), offs_m, m_mask, k0, BLOCK_K, USE_DOT,
+                              PRECISION)
+    else:  # each chunk's load issued before the chunk ahead of it is used: two in flight
+        w = w_first
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w_next = _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K)
+            acc = _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w, offs_m, m_mask, k0 - BLOCK_K,
+                              BLOCK_K, USE_DOT, PRECISION)
+            w = w_next
+        acc = _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w, offs_m, m_mask, K - BLOCK_K, BLOCK_K,
                           USE_DOT, PRECISION)
-    for k0 in range(0 if USE_DOT else BLOCK_K, K, BLOCK_K):
-        acc = _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K),
-                          offs_m, m_mask, k0, BLOCK_K, USE_DOT, PRECISION)
     return acc
 
 
@@ -199,11 +207,17 @@ def _matmul_into(acc, a_ptr, a_stride, w_ptr, w_first, offs_m, m_mask, offs_n, K
                  BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """acc + a[offs_m] @ w[offs_n].T over all K, a with row stride a_stride, w [N, K] contiguous, its
     first K chunk given (w_first; with tensor cores unused, as in _normed_matmul)."""
-    if not USE_DOT:
-        acc = _mac_chunk(acc, a_ptr, a_stride, w_first, offs_m, m_mask, 0, BLOCK_K, USE_DOT, PRECISION)
-    for k0 in range(0 if USE_DOT else BLOCK_K, K, BLOCK_K):
-        acc = _mac_chunk(acc, a_ptr, a_stride, _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K), offs_m, m_mask, k0,
-                         BLOCK_K, USE_DOT, PRECISION)
+    if USE_DOT:
+        for k0 in range(0, K, BLOCK_K):
+            acc = _mac_chunk(acc, a_ptr, a_stride, _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K), offs_m, m_mask, k0,
+                             BLOCK_K, USE_DOT, PRECISION)
+    else:  # two chunks in flight, as in _normed_matmul
+        w = w_first
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w_next = _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K)
+            acc = _mac_chunk(acc, a_ptr, a_stride, w, offs_m, m_mask, k0 - BLOCK_K, BLOCK_K, USE_DOT, PRECISION)
+            w = w_next
+        acc = _mac_chunk(acc, a_ptr, a_stride, w, offs_m, m_mask, K - BLOCK_K, BLOCK_K, USE_DOT, PRECISION)
     return acc
 
 
@@ -213,14 +227,15 @@ def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, r
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                              PRECISION: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_first = _weight_tile(w1_ptr, offs_n, 0, K1, BLOCK_K)  # before the wait: see _columns_and_first_tile
+    w1_first = _weight_tile(w1_ptr, offs_n, 0, K1, BLOCK_K)  # before the wait: see _columns_and_first_tile
+    w2_first = _weight_tile(w2_ptr, offs_n, 0, K2, BLOCK_K)
     _after_previous_kernel(PDL)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc = _matmul_into(acc, a_ptr, a_stride, w1_ptr, w_first, offs_m, m_mask, offs_n, K1, BLOCK_K, USE_DOT, PRECISION)
-    acc = _matmul_into(acc, c_ptr, c_stride, w2_ptr, _weight_tile(w2_ptr, offs_n, 0, K2, BLOCK_K), offs_m, m_mask,
-                       offs_n, K2, BLOCK_K, USE_DOT, PRECISION)
+    acc = _matmul_into(acc, a_ptr, a_stride, w1_ptr, w1_first, offs_m, m_mask, offs_n, K1, BLOCK_K, USE_DOT, PRECISION)
+    acc = _matmul_into(acc, c_ptr, c_stride, w2_ptr, w2_first, offs_m, m_mask, offs_n, K2, BLOCK_K, USE_DOT,
+                       PRECISION)
     res = tl.load(res_ptr + offs_m[:, None] * res_stride + offs_n[None, :], mask=m_mask[:, None], other=0.0)
     acc += res.to(tl.float32) + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     _store_columns(out_ptr, acc, offs_m, m_mask, offs_n, N)
@@ -355,7 +370,7 @@ def linear2_residual(a, w1, c, w2, residual, bias, tiles=None, out=None):
     (contiguous) if given."""
     m, n = residual.shape
     assert a.stride(1) == c.stride(1) == residual.stride(1) == 1 and w1.is_contiguous() and w2.is_contiguous()
-    one_row = dict(gemv_programs=512, gemv_warps=8) if m == 1 else {}  # (the whole-step sweep in PERFORMANCE.md)
+    one_row = dict(gemv_programs=512) if m == 1 else {}  # (the whole-step sweep in PERFORMANCE.md)
     block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n,), (a.shape[1], c.shape[1]), a.dtype,
                                                                         _small_shared_memory(a.device), **one_row)
     if out is None:
@@ -625,6 +640,12 @@ def _attention_buffers(qkv, n_heads: int, dim: int, splits: int):
     return out, part_ml, part_acc
 
 
+def one_kernel_tiles(m: int, n_sizes: tuple[int, int], k: int, dtype: torch.dtype):
+    """norm_linear_attention's tiles (_tiles' tuple): whole weight rows per program, 4 x 2048 for Moondream
+    (the whole-step sweep in PERFORMANCE.md)."""
+    return _tiles(m, n_sizes, (k,), dtype, gemv_programs=2048)
+
+
 def norm_linear_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, fc1_weight, fc1_bias, cos, sin, k_cache,
                           v_cache, block_tables, seq_lens, slots, page_size: int, sync, splits: int = 1, tiles=None):
     """norm_linear(x, ..., gelu2=True) for qkv and fc1, then rotary_paged_attention(qkv, ...), as one kernel
@@ -634,7 +655,7 @@ def norm_linear_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, fc1_weigh
     m, k = x.shape
     n1, n2 = qkv_weight.shape[0], fc1_weight.shape[0]
     n_heads, dim, half = k_cache.shape[1], k_cache.shape[2], cos.shape[1]
-    block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n1, n2), (k,), x.dtype, gemv_max_k=1024)
+    block_m, block_n, block_k, warps, stages, use_dot = tiles or one_kernel_tiles(m, (n1, n2), k, x.dtype)
     assert m <= GEMV_MAX_ROWS and not use_dot and n1 == 3 * n_heads * dim and dim % block_n == 0
     assert x.stride(1) == 1 and qkv_weight.is_contiguous() and fc1_weight.is_contiguous() and cos.is_contiguous()
     assert sin.is_contiguous() and sync.dtype == torch.int32 and sync.numel() >= n_heads * (1 + m)
