@@ -77,39 +77,43 @@ def _weight_tile(w_ptr, offs_n, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w, offs_m, m_mask, k0, BLOCK_K: tl.constexpr,
-                USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + layer_norm(x[offs_m])[:, k0:k0 + BLOCK_K] @ w.T, the norm applied to this chunk."""
+def _input_chunk(x_ptr, x_stride, offs_m, m_mask, k0, BLOCK_K: tl.constexpr, mean, rstd, g_ptr, b_ptr,
+                 dtype: tl.constexpr):
+    """x[offs_m, k0:k0 + BLOCK_K], layer-normed if given the rows' statistics (mean, rstd) and the norm's
+    weight and bias (else mean is None): then rounded to dtype, like torch's normed activations."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + offs_m[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-    gamma = tl.load(g_ptr + offs_k).to(tl.float32)
-    beta = tl.load(b_ptr + offs_k).to(tl.float32)
-    xn = (x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
-    return _mac(acc, xn.to(w.dtype), w, USE_DOT, PRECISION)  # rounded like torch's normed activations
+    if mean is not None:
+        gamma = tl.load(g_ptr + offs_k).to(tl.float32)
+        beta = tl.load(b_ptr + offs_k).to(tl.float32)
+        x = ((x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]).to(dtype)
+    return x
 
 
 @triton.jit
-def _normed_matmul(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, w_first, offs_m, m_mask, offs_n,
-                   K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """layer_norm(x[offs_m]) @ w[offs_n].T, the norm applied to each K chunk as it streams past. w_first
-    is the first chunk of the weight, which the caller loads before waiting for the previous kernel: in
-    the GEMV form; with tensor cores the loop loads it (a chunk held ahead would need shared memory)."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+def _streamed_matmul(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, w_first, offs_m, m_mask, offs_n,
+                     K: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x[offs_m] @ w[offs_n].T over all K, w [N, K] contiguous, x layer-normed chunk by chunk as
+    it streams past if given the norm (_input_chunk). w_first is the weight's first K chunk, which the
+    caller loads before waiting for the previous kernel: in the GEMV form; with tensor cores the loop
+    loads it (a chunk held ahead would need shared memory)."""
     if USE_DOT:
         for k0 in range(0, K, BLOCK_K):
-            acc = _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr,
-                              _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K), offs_m, m_mask, k0, BLOCK_K, USE_DOT,
-                              PRECISION)
+            w = _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K)
+            x = _input_chunk(x_ptr, x_stride, offs_m, m_mask, k0, BLOCK_K, mean, rstd, g_ptr, b_ptr,
+                             w_ptr.dtype.element_ty)
+            acc = _mac(acc, x, w, USE_DOT, PRECISION)
     else:  # each chunk's load issued before the chunk ahead of it is used: two in flight
         w = w_first
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w_next = _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K)
-            acc = _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w, offs_m, m_mask, k0 - BLOCK_K,
-                              BLOCK_K, USE_DOT, PRECISION)
+            x = _input_chunk(x_ptr, x_stride, offs_m, m_mask, k0 - BLOCK_K, BLOCK_K, mean, rstd, g_ptr, b_ptr,
+                             w_ptr.dtype.element_ty)
+            acc = _mac(acc, x, w, USE_DOT, PRECISION)
             w = w_next
-        acc = _normed_mac(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w, offs_m, m_mask, K - BLOCK_K, BLOCK_K,
-                          USE_DOT, PRECISION)
+        x = _input_chunk(x_ptr, x_stride, offs_m, m_mask, K - BLOCK_K, BLOCK_K, mean, rstd, g_ptr, b_ptr,
+                         w_ptr.dtype.element_ty)
+        acc = _mac(acc, x, w, USE_DOT, PRECISION)
     return acc
 
 
@@ -118,8 +122,8 @@ def _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, w_first,
                       K: tl.constexpr, GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """Output columns offs_n of one weight: matmul, bias, optional GELU."""
-    acc = _normed_matmul(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, w_first, offs_m, m_mask, offs_n, K,
-                         BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+    acc = _streamed_matmul(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr,
+                           w_first, offs_m, m_mask, offs_n, K, BLOCK_K, USE_DOT, PRECISION)
     acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     if GELU:
         acc = _gelu_tanh(acc)
@@ -194,34 +198,6 @@ def _norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_p
 
 
 @triton.jit
-def _mac_chunk(acc, a_ptr, a_stride, w, offs_m, m_mask, k0, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """acc + a[offs_m, k0:k0 + BLOCK_K] @ w.T"""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    a = tl.load(a_ptr + offs_m[:, None] * a_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-    return _mac(acc, a, w, USE_DOT, PRECISION)
-
-
-@triton.jit
-def _matmul_into(acc, a_ptr, a_stride, w_ptr, w_first, offs_m, m_mask, offs_n, K: tl.constexpr,
-                 BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a[offs_m] @ w[offs_n].T over all K, a with row stride a_stride, w [N, K] contiguous, its
-    first K chunk given (w_first; with tensor cores unused, as in _normed_matmul)."""
-    if USE_DOT:
-        for k0 in range(0, K, BLOCK_K):
-            acc = _mac_chunk(acc, a_ptr, a_stride, _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K), offs_m, m_mask, k0,
-                             BLOCK_K, USE_DOT, PRECISION)
-    else:  # two chunks in flight, as in _normed_matmul
-        w = w_first
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w_next = _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K)
-            acc = _mac_chunk(acc, a_ptr, a_stride, w, offs_m, m_mask, k0 - BLOCK_K, BLOCK_K, USE_DOT, PRECISION)
-            w = w_next
-        acc = _mac_chunk(acc, a_ptr, a_stride, w, offs_m, m_mask, K - BLOCK_K, BLOCK_K, USE_DOT, PRECISION)
-    return acc
-
-
-@triton.jit
 def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, res_ptr, res_stride, bias_ptr, out_ptr,
                              M, K1: tl.constexpr, K2: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
@@ -233,9 +209,10 @@ def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, r
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc = _matmul_into(acc, a_ptr, a_stride, w1_ptr, w1_first, offs_m, m_mask, offs_n, K1, BLOCK_K, USE_DOT, PRECISION)
-    acc = _matmul_into(acc, c_ptr, c_stride, w2_ptr, w2_first, offs_m, m_mask, offs_n, K2, BLOCK_K, USE_DOT,
-                       PRECISION)
+    acc = _streamed_matmul(acc, a_ptr, a_stride, None, None, None, None, w1_ptr, w1_first, offs_m, m_mask, offs_n, K1,
+                           BLOCK_K, USE_DOT, PRECISION)
+    acc = _streamed_matmul(acc, c_ptr, c_stride, None, None, None, None, w2_ptr, w2_first, offs_m, m_mask, offs_n, K2,
+                           BLOCK_K, USE_DOT, PRECISION)
     res = tl.load(res_ptr + offs_m[:, None] * res_stride + offs_n[None, :], mask=m_mask[:, None], other=0.0)
     acc += res.to(tl.float32) + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     _store_columns(out_ptr, acc, offs_m, m_mask, offs_n, N)
@@ -246,6 +223,11 @@ GEMV_MAX_ROWS = 2  # up to here, streaming the weight through plain loads beats 
 
 PDL_ENABLED = True  # programmatic dependent launch where the GPU has it (benchmarks compare without)
 ONE_KERNEL_KV_BLOCK = 64  # cached positions per block in the one kernel's attention (decode_variants compares)
+ATTENTION_KV_BLOCK = 128  # the same in the attention kernel of its own: its first block, loaded before the PDL wait,
+#                           then holds a short context whole (H100, benchmarks/ab_code.py against 64, steps of 2 / 64
+#                           sequences: 1.293 / 2.149 ms against 1.343 / 2.243 at context 64, 1.458 / 5.828 against
+#                           1.518 / 5.811 at 800; with 8 warps slower). The one kernel's stays 64: 128 there
+#                           takes 167 registers a thread instead of 128 (ptxas), and fewer programs fit on an SM.
 # fc1 programs launched between the one kernel's qkv and attention programs: fewer attention programs then
 # hold an SM while they wait for their head's qkv (H100, one sequence, 8 splits at 800 tokens, interleaved A/B:
 # 0 / 64 / 128 / 192 / 256 -> 1.138 / 1.129 / 1.124 / 1.118 / 1.166 ms; 128 keeps clear of that cliff)
@@ -623,8 +605,8 @@ def rotary_paged_attention(qkv, cos, sin, k_cache, v_cache, block_tables, seq_le
     out, part_ml, part_acc = _attention_buffers(qkv, n_heads, dim, splits)
     _rotary_paged_attention_kernel[(bsz, n_heads, splits)](
         qkv, qkv.stride(0), cos, sin, k_cache, v_cache, block_tables, seq_lens, slots, out, part_ml, part_acc,
-        block_tables.stride(0), dim ** -0.5, H=n_heads, HKV=hkv, D=dim, HALF=half, PAGE=page_size, BLOCK_N=64,
-        SPLITS=splits, num_warps=4, **_pdl(qkv.device, bsz))
+        block_tables.stride(0), dim ** -0.5, H=n_heads, HKV=hkv, D=dim, HALF=half, PAGE=page_size,
+        BLOCK_N=ATTENTION_KV_BLOCK, SPLITS=splits, num_warps=4, **_pdl(qkv.device, bsz))
     if splits > 1:
         _combine_splits_kernel[(bsz * n_heads,)](part_ml, part_acc, out, D=dim, SPLITS=splits, num_warps=1,
                                                  **_pdl(qkv.device, bsz))
