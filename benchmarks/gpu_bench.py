@@ -40,7 +40,7 @@ from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder  # noqa: E402
 from kestrel_backend.runtime.cuda_graphs import capture  # noqa: E402
 from kestrel_backend.runtime.vision_graphs import CropEncoderGraphs  # noqa: E402
-from kestrel_backend.runtime.scheduler import make_attention, make_one_sequence_prefill  # noqa: E402
+from kestrel_backend.runtime.scheduler import make_attention, make_prefill_graphs  # noqa: E402
 
 
 def timed(fn, warmup=3, iters=20, idle_s: float = 0.0) -> float:
@@ -348,19 +348,22 @@ def vision_bench(model: Moondream, ceilings: dict, variant: str = "graph", n: in
     return row
 
 
-def fresh_queries(n: int, length: int, prefix: int) -> list[SeqSlice]:
-    """A prefill step's slices: n fresh sequences (sequence ids 0..n-1) of `length` tokens, `prefix` of them
-    the image's, one after another in the step's rows."""
-    return [SeqSlice(i, i * length, (i + 1) * length, 0, prefix, torch.arange(length, device="cuda")) for i in range(n)]
+def fresh_queries(n: int, length: int, prefix: int, first_pos: int = 0) -> list[SeqSlice]:
+    """A prefill step's slices: n sequences (sequence ids 0..n-1) of `length` tokens, `prefix` of them the
+    image's, from position first_pos on (those before it cached), one after another in the step's rows."""
+    rows = length - first_pos
+    return [SeqSlice(i, i * rows, (i + 1) * rows, first_pos, prefix, torch.arange(first_pos, length, device="cuda"))
+            for i in range(n)]
 
 
 def prefill_bench(model: Moondream, rate: float, n: int, prompt: int = 12) -> list[dict]:
     """A prefill step of n fresh image queries (730 prefix + prompt tokens each), with the torch attention path
-    and with the engine's (make_attention: the Triton kernel on a GPU; for one sequence, also the engine's CUDA
-    graph of that forward, make_one_sequence_prefill, fresh and with the image prefix's whole pages cached, as
-    a request on an image in the prefix cache runs it). Floor: the layers' matmul FLOPs over every token, the
-    attention's over the pairs each token sees, the LM head's over the last token of each sequence (none for
-    the cached-prefix row: its 22 tokens are bound by reading the weights, like a decode step)."""
+    and with the engine's (make_attention: the Triton kernel on a GPU), eager; and as the engine runs it, the
+    CUDA graph of that forward (make_prefill_graphs) where the step has rows for one (the model's context,
+    what the engine allows), fresh and with each image prefix's whole pages cached, as requests on images in
+    the prefix cache run it (those also eager, to compare). Floor: the layers' matmul FLOPs over every token,
+    the attention's over the pairs each token sees, the LM head's over the last token of each sequence (none
+    for the cached-prefix rows: their 22 tokens each are bound by reading the weights, like a decode step)."""
     t = model.config.text
     prefix, length = t.prefix_attn, t.prefix_attn + prompt
     cache = PagedKVCache(t, n * -(-length // 16), 16, "cuda", torch.bfloat16)
@@ -371,25 +374,32 @@ def prefill_bench(model: Moondream, rate: float, n: int, prompt: int = 12) -> li
     pairs = prefix * prefix + sum(prefix + i + 1 for i in range(prompt))
     flops = n * (length * per_token + t.n_layers * 4 * t.n_heads * t.head_dim * pairs + 2 * t.dim * t.vocab_size)
     rows = []
-    for name, attention in (("torch attention", TorchPagedAttention(cache)), ("engine", make_attention(cache))):
-        def step():
-            slices = fresh_queries(n, length, prefix)
-            attention.plan(slices)
-            return model.logits(model.forward(x, torch.cat([s.positions for s in slices]), attention)[
-                [s.end - 1 for s in slices]])
+    engine_attention = make_attention(cache)
+
+    def eager(attention, first_pos: int):
+        slices = fresh_queries(n, length, prefix, first_pos)
+        attention.plan(slices)
+        return model.logits(model.forward(x[:slices[-1].end], torch.cat([s.positions for s in slices]), attention)[
+            [s.end - 1 for s in slices]])
+
+    for name, attention in (("torch attention", TorchPagedAttention(cache)), ("engine, eager", engine_attention)):
         with torch.inference_mode():
-            ms = timed(step, iters=10)
+            ms = timed(lambda: eager(attention, 0), iters=10)
         rows.append({"attention": name, "sequences": n, "tokens": n * length, "ms": ms})
-    if n == 1:
-        graphs = make_one_sequence_prefill(model, cache, length)
-        with torch.inference_mode():
-            ms = timed(lambda: graphs.run(x, 0, prefix), iters=10)
-        rows.append({"attention": "engine, CUDA graph", "sequences": n, "tokens": length, "ms": ms})
-        cached = prefix // 16 * 16
-        with torch.inference_mode():
-            ms = timed(lambda: graphs.run(x[cached:length], 0, prefix, cached), iters=10)
-        rows.append({"attention": "engine, CUDA graph, prefix pages cached", "sequences": n, "tokens": length - cached,
-                     "ms": ms, "floor_ms": None, "ratio": None})
+    graphs = make_prefill_graphs(model, cache, t.max_context, n)
+    cached = prefix // 16 * 16
+    fresh = [(x[i * length:(i + 1) * length], i, prefix, 0) for i in range(n)]
+    with_cached = [(x[i * length + cached:(i + 1) * length], i, prefix, cached) for i in range(n)]
+    with torch.inference_mode():
+        if graphs.fits([length] * n):
+            ms = timed(lambda: graphs.run(fresh), iters=10)
+            rows.append({"attention": "engine, CUDA graph", "sequences": n, "tokens": n * length, "ms": ms})
+        for name, step in (("engine, eager", lambda: eager(engine_attention, cached)),
+                           ("engine, CUDA graph", lambda: graphs.run(with_cached))):
+            if name == "engine, eager" or graphs.fits([length - cached] * n):
+                ms = timed(step, iters=10)
+                rows.append({"attention": name + ", prefix pages cached", "sequences": n,
+                             "tokens": n * (length - cached), "ms": ms, "floor_ms": None, "ratio": None})
     for row in rows:
         if "floor_ms" not in row:
             row["floor_ms"] = flops / rate * 1000

@@ -21,7 +21,7 @@ from .model.moondream import Moondream
 from .model.tokenizer import IncrementalDetokenizer
 from .runtime.image_cache import ImageCache, image_key
 from .runtime.kv_cache import PagedKVCache
-from .runtime.scheduler import Scheduler, make_crop_encoder, make_decoder, make_one_sequence_prefill
+from .runtime.scheduler import Scheduler, make_crop_encoder, make_decoder, make_prefill_graphs
 from .runtime.sequence import Delivery, EngineResult, Sequence, StreamChunk
 from .skills.generation import Generation, ReasoningThenAnswer, RegionGeneration, TextGeneration
 from .skills.prompts import caption_prompt, query_prompt, region_prompt
@@ -80,13 +80,13 @@ class InferenceEngine:
         decoder = make_decoder(model, self.kv, config.max_batch_size, self.max_context)
         if decoder is not None:
             decoder.warmup()  # capture every batch-size bucket now, not under the first requests
-        one_sequence_prefill = make_one_sequence_prefill(model, self.kv, self.max_context)
-        if one_sequence_prefill is not None:
-            one_sequence_prefill.warmup()
+        prefill_graphs = make_prefill_graphs(model, self.kv, self.max_context, config.max_batch_size)
+        if prefill_graphs is not None:
+            prefill_graphs.warmup()
         crop_encoder = make_crop_encoder(model)
         if crop_encoder is not None:
             crop_encoder.warmup()
-        self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, one_sequence_prefill,
+        self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, prefill_graphs,
                                    config.prefix_cache_size, crop_encoder)
         if config.chaos_fail_after_steps:
             log.warning("KESTREL_CHAOS_FAIL_AFTER_STEPS=%d: every step after that many will fail (chaos testing)",

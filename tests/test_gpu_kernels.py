@@ -174,36 +174,46 @@ def test_prefill_attention_matches_the_torch_path(block_m, block_n, context_bloc
     assert torch.equal(caches[1].k, caches[0].k) and torch.equal(caches[1].v, caches[0].v)
 
 
-@pytest.mark.parametrize("cached", [0, 32])
-def test_one_sequence_prefill_matches_the_flat_step(tiny_model, cached):
-    """The padded forward that the one-sequence prefill graphs capture (run eagerly here) against the flat
-    torch step, for a fresh sequence and for one whose first pages hold part of its image prefix already:
-    the same last hidden state and logits, the same cache rows, nothing stored elsewhere."""
+# (cached positions, rows, image-prefix length) per sequence: a fresh one, one whose first pages hold part of its
+# image prefix already, and a step of three (cached prefix, fresh image, text only)
+@pytest.mark.parametrize("seqs", [[(0, 150, 40)], [(32, 150, 40)], [(32, 30, 40), (0, 70, 40), (0, 9, 0)]])
+def test_prefill_graphs_forward_matches_the_flat_step(tiny_model, seqs):
+    """The padded forward that the prefill graphs capture (run eagerly here) against the flat torch step:
+    the same last hidden state and logits of each sequence, the same cache rows, nothing stored elsewhere."""
     from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention
     from kestrel_backend.runtime.kv_cache import PagedKVCache
-    from kestrel_backend.runtime.prefill_graphs import OneSequencePrefill
+    from kestrel_backend.runtime.prefill_graphs import PrefillGraphs
 
     cfg = tiny_model.config.text
-    caches = [PagedKVCache(cfg, 16, 16, "cpu", torch.float32) for _ in range(2)]
-    n, prefix = 150, 40  # rows not a multiple of the bucket
-    g = torch.Generator().manual_seed(0)
-    shape = caches[0].k[:, :cached].shape
-    cached_k, cached_v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    caches = [PagedKVCache(cfg, 48, 16, "cpu", torch.float32) for _ in range(2)]
+    g = torch.Generator().manual_seed(len(seqs))
     for cache in caches:
         cache.allocate(0, 16)  # another sequence's pages: must stay untouched
-        cache.allocate(1, cached + n + 5)
-        rows = cache.slots(1, torch.arange(cached))
-        cache.k[:, rows], cache.v[:, rows] = cached_k, cached_v
-    x = torch.randn(n, cfg.dim, generator=g)
+    slices, pieces, start = [], [], 0
+    for seq_id, (cached, n, prefix) in enumerate(seqs, 1):
+        shape = caches[0].k[:, :cached].shape
+        cached_k, cached_v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        for cache in caches:
+            cache.allocate(seq_id, cached + n + 5)
+            rows = cache.slots(seq_id, torch.arange(cached))
+            cache.k[:, rows], cache.v[:, rows] = cached_k, cached_v
+        x = torch.randn(n, cfg.dim, generator=g)
+        slices.append(SeqSlice(seq_id, start, start + n, cached, prefix, torch.arange(cached, cached + n)))
+        pieces.append((x, seq_id, prefix, cached))
+        start += n
     step = TorchPagedAttention(caches[0])
-    step.plan([SeqSlice(1, 0, n, cached, prefix, torch.arange(cached, cached + n))])
-    hidden = tiny_model.forward(x, torch.arange(cached, cached + n), step)[-1:]
-    prefill = OneSequencePrefill(tiny_model, caches[1], max_context=256)
-    logits, last = prefill.run(x, 1, prefix, cached)
-    assert rel_err(last, hidden) < 1e-5 and rel_err(logits, tiny_model.logits(hidden)) < 1e-5
+    step.plan(slices)
+    hidden = tiny_model.forward(torch.cat([x for x, *_ in pieces]), torch.cat([s.positions for s in slices]), step)
+    hidden = hidden[[s.end - 1 for s in slices]]
+    prefill = PrefillGraphs(tiny_model, caches[1], max_context=256, max_seqs=4)
+    assert prefill.fits([len(x) for x, *_ in pieces]) and not prefill.fits([100, 100, 100])
+    logits, last = prefill.run(pieces)
+    assert last.shape == hidden.shape and rel_err(last, hidden) < 1e-5
+    assert rel_err(logits, tiny_model.logits(hidden)) < 1e-5
     assert rel_err(caches[1].k, caches[0].k) < 1e-6 and rel_err(caches[1].v, caches[0].v) < 1e-6
     others = torch.ones(caches[1].k.shape[1], dtype=torch.bool)
-    others[caches[1].slots(1, torch.arange(cached + n))] = False
+    for seq_id, (cached, n, _) in enumerate(seqs, 1):
+        others[caches[1].slots(seq_id, torch.arange(cached + n))] = False
     assert not caches[1].k[:, others].any() and not caches[1].v[:, others].any()
 
 

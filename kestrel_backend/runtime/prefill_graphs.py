@@ -1,11 +1,13 @@
-"""Prefill steps of one sequence as CUDA graphs, one per length bucket (the common ones captured at
-start-up, warmup(); the others on first use).
+"""Prefill steps as CUDA graphs, one per (padded length, sequence-count bucket): the common ones captured at
+start-up (warmup()), the others on first use.
 
-A step that prefills one sequence is about 240 kernel launches for a few milliseconds of GPU work, so
-the host's launching set its pace (H100, 742 tokens: 6.2 ms for 3.9 ms of GPU work). Under load that is
-the common prefill step: requests arrive one at a time as others finish. The graph runs the same forward
-over the sequence's rows padded to a multiple of BUCKET; the padded rows are computed and dropped (the
-attention kernel neither attends to them nor stores their k/v)."""
+A prefill step is about 240 kernel launches for a few milliseconds of GPU work, so the host's launching set
+its pace (H100, one sequence of 742 tokens: 6.2 ms for 3.9 ms of GPU work; a request on a cached image
+prefix, 22 rows, is about 2 ms of GPU work). Under load a step prefills one sequence (requests arrive as
+others end) or a burst of them. The graph runs the same forward over the step's sequences, their rows packed
+one after another and padded to a multiple of BUCKET; the padded rows are computed and dropped (the attention
+kernel's work items cover the real rows only: they are neither attended to nor stored). The LM head runs over
+as many last rows as the bucket has sequences; those of absent sequences are dropped."""
 
 from __future__ import annotations
 
@@ -13,79 +15,102 @@ import torch
 
 from ..model.moondream import Moondream
 from . import prefill_attention as pa
+from .attention import SeqSlice
 from .cuda_graphs import CapturedGraphs
 from .kv_cache import PagedKVCache
 
 BUCKET = 64  # rows: a multiple of the attention kernel's query tile
+SEQUENCE_BUCKETS = (1, 8)  # and the engine's max batch: sequences per graph (the LM head's rows)
 
 
 class _BucketAttention:
     """The attention of a graph's forward: the kernel over the static slots and work items."""
 
-    def __init__(self, owner: "OneSequencePrefill", rows: int):
-        self.owner, self.rows = owner, rows
+    def __init__(self, owner: "PrefillGraphs", rows: int, items: int):
+        self.owner, self.rows, self.items = owner, rows, items
 
     def __call__(self, layer: int, q, k, v):
         o = self.owner
         return pa.prefill_attention(q, k, v, o.cache.k[layer], o.cache.v[layer], o.slots[:self.rows],
-                                    o.work[:pa.WORK_FIELDS * (self.rows // pa.BLOCK_M)], o.context)
+                                    o.work[:pa.WORK_FIELDS * self.items], o.context)
 
 
-class OneSequencePrefill:
-    """run(x, seq_id, prefix_len, first_pos) -> (logits [1, vocab] float32, last hidden [1, dim]): views of static
-    buffers, valid until the next run. On a CPU (tests) the same padded forward runs eagerly."""
+def _work_items(rows: int, seqs: int) -> int:
+    """Work items (query tiles) that `seqs` sequences packed into `rows` rows can need: each may add a
+    partial tile."""
+    return rows // pa.BLOCK_M + seqs - 1
 
-    def __init__(self, model: Moondream, cache: PagedKVCache, max_context: int):
+
+class PrefillGraphs:
+    """run(pieces) -> (logits [sequences, vocab] float32, last hidden [sequences, dim]): views of static
+    buffers, valid until the next run. For steps of up to max_seqs sequences and max_context rows in all
+    (fits()). On a CPU (tests) the same padded forward runs eagerly."""
+
+    def __init__(self, model: Moondream, cache: PagedKVCache, max_context: int, max_seqs: int = 1):
         assert BUCKET % pa.BLOCK_M == 0
         self.model, self.cache = model, cache
-        dev, rows = model.device, -(-max_context // BUCKET) * BUCKET
+        self.seq_buckets = sorted({b for b in SEQUENCE_BUCKETS if b < max_seqs} | {max_seqs})
+        dev, rows, seqs = model.device, -(-max_context // BUCKET) * BUCKET, max_seqs
+        self.max_rows = rows
         self.x = torch.zeros(rows, model.config.text.dim, device=dev, dtype=model.dtype)
         self.positions = torch.zeros(rows, device=dev, dtype=torch.long)
         self.slots = torch.zeros(rows, device=dev, dtype=torch.long)  # (the kernel reads those of real rows only)
-        self.context = torch.zeros(rows, device=dev, dtype=torch.long)  # cache rows of the positions before x
-        self.work = torch.zeros(pa.WORK_FIELDS * (rows // pa.BLOCK_M), device=dev, dtype=torch.int32)
-        self.last = torch.zeros(1, device=dev, dtype=torch.long)
-        self.logits = torch.zeros(1, model.config.text.vocab_size, device=dev, dtype=torch.float32)
-        self.hidden = torch.zeros(1, model.config.text.dim, device=dev, dtype=model.dtype)
-        self.graphs = CapturedGraphs()  # by rows
+        self.context = torch.zeros(seqs * max_context, device=dev, dtype=torch.long)  # cache rows of cached positions
+        self.work = torch.zeros(pa.WORK_FIELDS * _work_items(rows, seqs), device=dev, dtype=torch.int32)
+        self.last = torch.zeros(seqs, device=dev, dtype=torch.long)
+        self.logits = torch.zeros(seqs, model.config.text.vocab_size, device=dev, dtype=torch.float32)
+        self.hidden = torch.zeros(seqs, model.config.text.dim, device=dev, dtype=model.dtype)
+        self.graphs = CapturedGraphs()  # by (rows, sequence bucket)
 
-    def _forward(self, rows: int) -> None:
-        hidden = self.model.forward(self.x[:rows], self.positions[:rows], _BucketAttention(self, rows))
-        self.hidden.copy_(hidden.index_select(0, self.last))
-        self.logits.copy_(self.model.logits(self.hidden))
+    def fits(self, lengths: list[int]) -> bool:
+        """Whether a step of sequences with these row counts runs as a graph."""
+        return len(lengths) <= self.seq_buckets[-1] and sum(lengths) <= self.max_rows
 
-    def _graph(self, rows: int) -> torch.cuda.CUDAGraph:
-        return self.graphs.get_or_capture(rows, lambda: self._forward(rows))
+    def _forward(self, rows: int, seqs: int) -> None:
+        attention = _BucketAttention(self, rows, _work_items(rows, seqs))
+        hidden = self.model.forward(self.x[:rows], self.positions[:rows], attention)
+        self.hidden[:seqs].copy_(hidden.index_select(0, self.last[:seqs]))
+        self.logits[:seqs].copy_(self.model.logits(self.hidden[:seqs]))
+
+    def _graph(self, rows: int, seqs: int) -> torch.cuda.CUDAGraph:
+        return self.graphs.get_or_capture((rows, seqs), lambda: self._forward(rows, seqs))
 
     def warmup(self) -> None:
-        """Capture the lengths most requests have now, not under the first of them: a short text prompt, and
-        an image with a prompt of up to 102 tokens."""
+        """Capture the steps most requests have now, not under the first of them: one sequence with a short
+        text prompt, or an image with a prompt of up to 102 tokens."""
         prefix = self.model.config.text.prefix_attn
         with torch.inference_mode():
             for n in (1, prefix + 1, prefix + 102):
                 rows = -(-n // BUCKET) * BUCKET
-                if rows <= self.x.shape[0]:
-                    self._graph(rows)  # (work items all empty here: nothing attended, nothing stored)
+                if rows <= self.max_rows:
+                    self._graph(rows, 1)  # (work items all empty here: nothing attended, nothing stored)
 
-    def run(self, x: torch.Tensor, seq_id: int, prefix_len: int, first_pos: int = 0):
-        """x [n, dim]: the inputs of a sequence from position first_pos on (the positions before it are in its
-        pages already; prefix_len positions from 0 are its image's), whose k/v go to its pages."""
-        n = x.shape[0]
-        rows = -(-n // BUCKET) * BUCKET
-        self.x[:n].copy_(x)
-        # (padded rows repeat the last position: one the rotary table has)
-        positions = torch.arange(first_pos, first_pos + rows, device=x.device).clamp_(max=first_pos + n - 1)
-        self.positions[:rows].copy_(positions)
-        self.slots[:n].copy_(self.cache.slots(seq_id, positions[:n]))
-        if first_pos:
-            self.context[:first_pos].copy_(self.cache.slots(seq_id, torch.arange(first_pos, device=x.device)))
-        # every query tile of the padded rows: those past n store nothing (their rows are masked)
-        prefix = max(prefix_len - first_pos, 0)
-        items = [v for tile in range(rows // pa.BLOCK_M) for v in (0, n, prefix, tile, first_pos, 0)]
-        self.work[:len(items)].copy_(torch.tensor(items, dtype=torch.int32))
-        self.last.fill_(n - 1)
+    def run(self, pieces: list[tuple[torch.Tensor, int, int, int]]):
+        """pieces: (x [n, dim], seq_id, prefix_len, first_pos) per sequence: its inputs from position first_pos
+        on (the positions before it are in its pages already; prefix_len positions from 0 are its image's),
+        whose k/v go to its pages."""
+        assert self.fits([x.shape[0] for x, *_ in pieces])
+        slices, start = [], 0
+        for x, seq_id, prefix_len, first_pos in pieces:
+            positions = torch.arange(first_pos, first_pos + x.shape[0], device=x.device)
+            slices.append(SeqSlice(seq_id, start, start + x.shape[0], first_pos, prefix_len, positions))
+            start += x.shape[0]
+        rows = -(-start // BUCKET) * BUCKET
+        seqs = next(b for b in self.seq_buckets if b >= len(slices))
+        self.x[:start].copy_(torch.cat([x for x, *_ in pieces]))
+        self.positions[:start].copy_(torch.cat([s.positions for s in slices]))
+        self.positions[start:rows].zero_()  # (padded rows: a position the rotary table has)
+        self.slots[:start].copy_(torch.cat([self.cache.slots(s.seq_id, s.positions) for s in slices]))
+        context = pa.context_slots(self.cache, slices)
+        self.context[:context.numel()].copy_(context)
+        work = torch.zeros(pa.WORK_FIELDS * _work_items(rows, seqs), dtype=torch.int32)  # zeros: empty items
+        items = pa.work_items(slices)
+        work[:len(items)] = torch.tensor(items, dtype=torch.int32)
+        self.work[:work.numel()].copy_(work)
+        self.last[:len(slices)].copy_(torch.tensor([s.end - 1 for s in slices]))
+        self.last[len(slices):seqs].zero_()
         if self.x.is_cuda:
-            self._graph(rows).replay()
+            self._graph(rows, seqs).replay()
         else:
-            self._forward(rows)
-        return self.logits, self.hidden
+            self._forward(rows, seqs)
+        return self.logits[:len(slices)], self.hidden[:len(slices)]

@@ -44,13 +44,13 @@ def make_attention(cache: PagedKVCache):
     return PrefillAttention(cache)
 
 
-def make_one_sequence_prefill(model: Moondream, cache: PagedKVCache, max_context: int):
-    """CUDA graphs for prefill steps of one sequence on a GPU; None elsewhere."""
+def make_prefill_graphs(model: Moondream, cache: PagedKVCache, max_context: int, max_batch: int):
+    """CUDA graphs for prefill steps on a GPU; None elsewhere."""
     if model.device.type != "cuda":
         return None
-    from .prefill_graphs import OneSequencePrefill
+    from .prefill_graphs import PrefillGraphs
 
-    return OneSequencePrefill(model, cache, max_context)
+    return PrefillGraphs(model, cache, max_context, max_batch)
 
 
 def make_crop_encoder(model: Moondream):
@@ -73,7 +73,7 @@ def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_cont
 
 class Scheduler:
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
-                 decoder=None, one_sequence_prefill=None, prefix_cache_size: int = 0, crop_encoder=None):
+                 decoder=None, prefill_graphs=None, prefix_cache_size: int = 0, crop_encoder=None):
         self.model = model
         self.cache = cache
         self.images = image_cache
@@ -81,7 +81,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.attention = make_attention(cache)
         self.decoder = decoder
-        self.one_sequence_prefill = one_sequence_prefill  # graphs for a prefill step of one sequence, or None
+        self.prefill_graphs = prefill_graphs  # graphs for prefill steps (make_prefill_graphs), or None
         self.crop_encoder = crop_encoder  # graphs of the vision encoder, or None (eager)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -271,10 +271,10 @@ class Scheduler:
                 pieces.append((torch.cat([seq.next_input, x], dim=0) if seq.prefix_len else x)[seq.length:])
         else:
             pieces = list(self._inputs(seqs)[:, None, :])
-        if prefill and len(seqs) == 1 and self.one_sequence_prefill is not None:
-            seq, x = seqs[0], pieces[0]
-            logits, last = self.one_sequence_prefill.run(x, seq.id, seq.prefix_len, seq.length)
-            seq.length += x.shape[0]
+        if prefill and self.prefill_graphs is not None and self.prefill_graphs.fits([len(x) for x in pieces]):
+            logits, last = self.prefill_graphs.run([(x, s.id, s.prefix_len, s.length) for s, x in zip(seqs, pieces)])
+            for seq, x in zip(seqs, pieces):
+                seq.length += x.shape[0]
             return logits, last
         slices, start = [], 0
         for seq, x in zip(seqs, pieces):
