@@ -177,6 +177,7 @@ def test_prefill_attention_matches_the_torch_path(block_m, block_n, context_bloc
 # (cached positions, rows, image-prefix length) per sequence: a fresh one, one whose first pages hold part of its
 # image prefix already, and a step of three (cached prefix, fresh image, text only)
 @pytest.mark.parametrize("seqs", [[(0, 150, 40)], [(32, 150, 40)], [(32, 30, 40), (0, 70, 40), (0, 9, 0)]])
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # (spare work items: 0 / 0, never stored)
 def test_prefill_graphs_forward_matches_the_flat_step(tiny_model, seqs):
     """The padded forward that the prefill graphs capture (run eagerly here) against the flat torch step:
     the same last hidden state and logits of each sequence, the same cache rows, nothing stored elsewhere."""

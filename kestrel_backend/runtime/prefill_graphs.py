@@ -1,5 +1,5 @@
-"""Prefill steps as CUDA graphs, one per (padded length, sequence-count bucket): the common ones captured at
-start-up (warmup()), the others on first use.
+"""Prefill steps as CUDA graphs, one per (padded length, sequence-count bucket), all captured at start-up
+(warmup()): a capture under load would hold up every request in flight.
 
 A prefill step is about 240 kernel launches for a few milliseconds of GPU work, so the host's launching set
 its pace (H100, one sequence of 742 tokens: 6.2 ms for 3.9 ms of GPU work; a request on a cached image
@@ -20,7 +20,8 @@ from .cuda_graphs import CapturedGraphs
 from .kv_cache import PagedKVCache
 
 BUCKET = 64  # rows: a multiple of the attention kernel's query tile
-SEQUENCE_BUCKETS = (1, 8)  # and the engine's max batch: sequences per graph (the LM head's rows)
+SEQUENCE_BUCKETS = (1,)  # and the engine's max batch: sequences per graph (the LM head's rows; a graph of more
+#                          has spare attention programs, which exit at once)
 
 
 class _BucketAttention:
@@ -76,14 +77,11 @@ class PrefillGraphs:
         return self.graphs.get_or_capture((rows, seqs), lambda: self._forward(rows, seqs))
 
     def warmup(self) -> None:
-        """Capture the steps most requests have now, not under the first of them: one sequence with a short
-        text prompt, or an image with a prompt of up to 102 tokens."""
-        prefix = self.model.config.text.prefix_attn
+        """Capture every graph now, not under the first requests that need it."""
         with torch.inference_mode():
-            for n in (1, prefix + 1, prefix + 102):
-                rows = -(-n // BUCKET) * BUCKET
-                if rows <= self.max_rows:
-                    self._graph(rows, 1)  # (work items all empty here: nothing attended, nothing stored)
+            for seqs in self.seq_buckets:
+                for rows in range(BUCKET, self.max_rows + 1, BUCKET):
+                    self._graph(rows, seqs)  # (work items all empty here: nothing attended, nothing stored)
 
     def run(self, pieces: list[tuple[torch.Tensor, int, int, int]]):
         """pieces: (x [n, dim], seq_id, prefix_len, first_pos) per sequence: its inputs from position first_pos
