@@ -218,6 +218,51 @@ def test_prefill_graphs_forward_matches_the_flat_step(tiny_model, seqs):
     assert not caches[1].k[:, others].any() and not caches[1].v[:, others].any()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # (spare work items: 0 / 0, never stored)
+def test_engine_prefill_steps_of_several_sequences_through_the_prefill_graphs(tiny_dir):
+    """The scheduler's prefill steps through PrefillGraphs (their padded forward run eagerly here), two requests
+    on one image admitted in one step: fresh, then on the image's cached prefix pages. Each answers as the flat
+    prefill step makes it answer, and every page is given back."""
+    import asyncio
+
+    import numpy as np
+    import pyvips
+
+    from kestrel_backend.config import RuntimeConfig
+    from kestrel_backend.engine import InferenceEngine
+    from kestrel_backend.runtime.prefill_graphs import PrefillGraphs
+
+    def image(seed):
+        pixels = np.random.default_rng(seed).integers(0, 256, (120, 160, 3), dtype=np.uint8)
+        return pyvips.Image.new_from_array(pixels).pngsave_buffer()
+
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               max_batch_size=2))
+    graphs = PrefillGraphs(eng.model, eng.kv, eng.max_context, max_seqs=2)
+    steps = []  # sequences per step through the graphs
+    run = graphs.run
+    graphs.run = lambda pieces: steps.append(len(pieces)) or run(pieces)
+
+    def burst(img, through_graphs: bool):
+        """Two questions submitted on the engine loop in one go: both are admitted at the next step."""
+        eng.scheduler.prefill_graphs = graphs if through_graphs else None  # (between steps: no request in flight)
+
+        async def both():
+            return await asyncio.gather(*[eng.query(img, q, settings={"temperature": 0, "max_tokens": 6})
+                                          for q in ("Hi", "Count the dogs")])  # (first tokens differ)
+        return [r.output for r in asyncio.run_coroutine_threadsafe(both(), eng.loop).result(timeout=120)]
+
+    try:
+        a, b = image(1), image(2)
+        fresh_flat, cached_graphs = burst(a, False), burst(a, True)
+        assert steps == [2] and cached_graphs == fresh_flat and fresh_flat[0] != fresh_flat[1]  # (order tells)
+        fresh_graphs, cached_flat = burst(b, True), burst(b, False)
+        assert steps == [2, 2] and fresh_graphs == cached_flat and fresh_graphs != fresh_flat
+        assert eng.stats()["prefix_hits"] == 4 and eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("lens, splits, block_n, fc1_first", [([9], 1, 8, 0), ([150], 4, 4, 0), ([1, 70], 2, 8, 0),
                                                               ([150], 4, 4, 24)])
 def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc1_first, monkeypatch):
