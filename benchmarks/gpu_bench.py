@@ -388,14 +388,13 @@ def prefill_bench(model: Moondream, rate: float, n: int, prompt: int = 12) -> li
         rows.append({"attention": name, "sequences": n, "tokens": n * length, "ms": ms})
     graphs = make_prefill_graphs(model, cache, t.max_context, n)
     cached = prefix // 16 * 16
-    fresh = [(x[i * length:(i + 1) * length], i, prefix, 0) for i in range(n)]
-    with_cached = [(x[i * length + cached:(i + 1) * length], i, prefix, cached) for i in range(n)]
+    fresh, with_cached = fresh_queries(n, length, prefix), fresh_queries(n, length, prefix, cached)
     with torch.inference_mode():
         if graphs.fits([length] * n):
-            ms = timed(lambda: graphs.run(fresh), iters=10)
+            ms = timed(lambda: graphs.run(x, fresh), iters=10)
             rows.append({"attention": "engine, CUDA graph", "sequences": n, "tokens": n * length, "ms": ms})
         for name, step in (("engine, eager", lambda: eager(engine_attention, cached)),
-                           ("engine, CUDA graph", lambda: graphs.run(with_cached))):
+                           ("engine, CUDA graph", lambda: graphs.run(x[:with_cached[-1].end], with_cached))):
             if name == "engine, eager" or graphs.fits([length - cached] * n):
                 ms = timed(step, iters=10)
                 rows.append({"attention": name + ", prefix pages cached", "sequences": n,

@@ -13,7 +13,6 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-
 from .config import RuntimeConfig
 from .errors import EngineError, EngineOverloaded, InvalidRequest, RequestCancelled
 from .images import ImageLimits, decode_image

@@ -190,7 +190,7 @@ def test_prefill_graphs_forward_matches_the_flat_step(tiny_model, seqs):
     g = torch.Generator().manual_seed(len(seqs))
     for cache in caches:
         cache.allocate(0, 16)  # another sequence's pages: must stay untouched
-    slices, pieces, start = [], [], 0
+    slices, xs, start = [], [], 0
     for seq_id, (cached, n, prefix) in enumerate(seqs, 1):
         shape = caches[0].k[:, :cached].shape
         cached_k, cached_v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
@@ -200,15 +200,15 @@ def test_prefill_graphs_forward_matches_the_flat_step(tiny_model, seqs):
             cache.k[:, rows], cache.v[:, rows] = cached_k, cached_v
         x = torch.randn(n, cfg.dim, generator=g)
         slices.append(SeqSlice(seq_id, start, start + n, cached, prefix, torch.arange(cached, cached + n)))
-        pieces.append((x, seq_id, prefix, cached))
+        xs.append(x)
         start += n
     step = TorchPagedAttention(caches[0])
     step.plan(slices)
-    hidden = tiny_model.forward(torch.cat([x for x, *_ in pieces]), torch.cat([s.positions for s in slices]), step)
+    hidden = tiny_model.forward(torch.cat(xs), torch.cat([s.positions for s in slices]), step)
     hidden = hidden[[s.end - 1 for s in slices]]
     prefill = PrefillGraphs(tiny_model, caches[1], max_context=256, max_seqs=4)
-    assert prefill.fits([len(x) for x, *_ in pieces]) and not prefill.fits([100, 100, 100])
-    logits, last = prefill.run(pieces)
+    assert prefill.fits([len(x) for x in xs]) and not prefill.fits([100, 100, 100])
+    logits, last = prefill.run(torch.cat(xs), slices)
     assert last.shape == hidden.shape and rel_err(last, hidden) < 1e-5
     assert rel_err(logits, tiny_model.logits(hidden)) < 1e-5
     assert rel_err(caches[1].k, caches[0].k) < 1e-6 and rel_err(caches[1].v, caches[0].v) < 1e-6
@@ -241,7 +241,7 @@ def test_engine_prefill_steps_of_several_sequences_through_the_prefill_graphs(ti
     graphs = PrefillGraphs(eng.model, eng.kv, eng.max_context, max_seqs=2)
     steps = []  # sequences per step through the graphs
     run = graphs.run
-    graphs.run = lambda pieces: steps.append(len(pieces)) or run(pieces)
+    graphs.run = lambda x, slices: steps.append(len(slices)) or run(x, slices)
 
     def burst(img, through_graphs: bool):
         """Two questions submitted on the engine loop in one go: both are admitted at the next step."""

@@ -83,19 +83,15 @@ class PrefillGraphs:
                 for rows in range(BUCKET, self.max_rows + 1, BUCKET):
                     self._graph(rows, seqs)  # (work items all empty here: nothing attended, nothing stored)
 
-    def run(self, pieces: list[tuple[torch.Tensor, int, int, int]]):
-        """pieces: (x [n, dim], seq_id, prefix_len, first_pos) per sequence: its inputs from position first_pos
-        on (the positions before it are in its pages already; prefix_len positions from 0 are its image's),
-        whose k/v go to its pages."""
-        assert self.fits([x.shape[0] for x, *_ in pieces])
-        slices, start = [], 0
-        for x, seq_id, prefix_len, first_pos in pieces:
-            positions = torch.arange(first_pos, first_pos + x.shape[0], device=x.device)
-            slices.append(SeqSlice(seq_id, start, start + x.shape[0], first_pos, prefix_len, positions))
-            start += x.shape[0]
+    def run(self, x: torch.Tensor, slices: list[SeqSlice]):
+        """x [T, dim]: the step's inputs, sequence after sequence as slices have them (as for a flat step's
+        attention.plan): each sequence's rows from position first_pos on (the positions before it are in its
+        pages already; prefix_len positions from 0 are its image's), whose k/v go to its pages."""
+        start = slices[-1].end
+        assert self.fits([s.end - s.start for s in slices]) and x.shape[0] == start
         rows = -(-start // BUCKET) * BUCKET
         seqs = next(b for b in self.seq_buckets if b >= len(slices))
-        self.x[:start].copy_(torch.cat([x for x, *_ in pieces]))
+        self.x[:start].copy_(x)
         self.positions[:start].copy_(torch.cat([s.positions for s in slices]))
         self.positions[start:rows].zero_()  # (padded rows: a position the rotary table has)
         self.slots[:start].copy_(torch.cat([self.cache.slots(s.seq_id, s.positions) for s in slices]))

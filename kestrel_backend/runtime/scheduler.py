@@ -271,19 +271,17 @@ class Scheduler:
                 pieces.append((torch.cat([seq.next_input, x], dim=0) if seq.prefix_len else x)[seq.length:])
         else:
             pieces = list(self._inputs(seqs)[:, None, :])
-        if prefill and self.prefill_graphs is not None and self.prefill_graphs.fits([len(x) for x in pieces]):
-            logits, last = self.prefill_graphs.run([(x, s.id, s.prefix_len, s.length) for s, x in zip(seqs, pieces)])
-            for seq, x in zip(seqs, pieces):
-                seq.length += x.shape[0]
-            return logits, last
         slices, start = [], 0
         for seq, x in zip(seqs, pieces):
             positions = torch.arange(seq.length, seq.length + x.shape[0], device=m.device)
             slices.append(SeqSlice(seq.id, start, start + x.shape[0], seq.length, seq.prefix_len, positions))
             start += x.shape[0]
             seq.length += x.shape[0]
+        x = torch.cat(pieces)
+        if prefill and self.prefill_graphs is not None and self.prefill_graphs.fits([len(p) for p in pieces]):
+            return self.prefill_graphs.run(x, slices)
         self.attention.plan(slices)
-        hidden = m.forward(torch.cat(pieces), torch.cat([s.positions for s in slices]), self.attention)
+        hidden = m.forward(x, torch.cat([s.positions for s in slices]), self.attention)
         last = hidden[[s.end - 1 for s in slices]]
         return m.logits(last), last
 
