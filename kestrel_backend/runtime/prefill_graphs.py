@@ -20,8 +20,6 @@ from .cuda_graphs import CapturedGraphs
 from .kv_cache import PagedKVCache
 
 BUCKET = 64  # rows: a multiple of the attention kernel's query tile
-SEQUENCE_BUCKETS = (1,)  # and the engine's max batch: sequences per graph (the LM head's rows; a graph of more
-#                          has spare attention programs, which exit at once)
 
 
 class _BucketAttention:
@@ -50,7 +48,8 @@ class PrefillGraphs:
     def __init__(self, model: Moondream, cache: PagedKVCache, max_context: int, max_seqs: int = 1):
         assert BUCKET % pa.BLOCK_M == 0
         self.model, self.cache = model, cache
-        self.seq_buckets = sorted({b for b in SEQUENCE_BUCKETS if b < max_seqs} | {max_seqs})
+        # sequences per graph (the LM head's rows): one, or up to max_seqs (spare attention programs exit at once)
+        self.seq_buckets = sorted({1, max_seqs})
         dev, rows, seqs = model.device, -(-max_context // BUCKET) * BUCKET, max_seqs
         self.max_rows = rows
         self.x = torch.zeros(rows, model.config.text.dim, device=dev, dtype=model.dtype)
