@@ -256,7 +256,7 @@ def one_kernel_check(cfg, f: dict, runs: int = 30) -> dict:
         ref = dk.rotary_paged_attention(qkv, cos, sin, k, v, tables, seq_lens, slots, h, page, splits=splits).double()
         worst = 0.0
         for _ in range(runs):
-            sync = torch.zeros(h * (1 + m), dtype=torch.int32, device="cuda")
+            sync = torch.zeros(dk.one_kernel_counters(h, m), dtype=torch.int32, device="cuda")
             got, got_fc1 = dk.norm_linear_attention(x, ln_w, ln_b, wq, bq, wf, bf, cos, sin, k, v, tables, seq_lens,
                                                     slots, page, sync, splits)
             worst = max(worst, float((got.double() - ref).norm() / ref.norm()),

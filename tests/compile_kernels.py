@@ -76,7 +76,7 @@ def launch_everything() -> None:
                                           lens, h, page, splits)
                 if m == 1 and splits in (1, 8):
                     dk.norm_linear_attention(x, ln, ln, wq, bq, wf, bf, cos, cos, cache, cache, tables, lens, lens,
-                                             page, torch.zeros(2 * h, dtype=torch.int32), splits)
+                                             page, torch.zeros(dk.one_kernel_counters(h, 1), dtype=torch.int32), splits)
             dk.greedy_tokens(dk.greedy_keys(m, "cpu"), host_out=torch.zeros(m, dtype=torch.int32))
             dk.embed_rows(torch.zeros(m, dtype=torch.int32), torch.zeros(16, cfg.dim, **f), x,
                           torch.zeros(m, dtype=torch.int32))

@@ -286,13 +286,14 @@ def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     qkv, fc1_ref = dk.norm_linear(x, ln_w, ln_b, wq, bq, wf, bf, gelu2=True)
     attn_ref = dk.rotary_paged_attention(qkv, cos, sin, k_ref, v_ref, tables, seq_lens, slots, h, page, splits=splits)
-    sync = torch.zeros(h * (1 + m), dtype=torch.int32)
+    sync = torch.zeros(dk.one_kernel_counters(h, m), dtype=torch.int32)
     attn, fc1 = dk.norm_linear_attention(x, ln_w, ln_b, wq, bq, wf, bf, cos, sin, k_cache, v_cache, tables, seq_lens,
                                          slots, page, sync, splits, tiles=(m, block_n, 256, 4, 2, False))
     assert rel_err(attn, attn_ref) < 1e-6 and rel_err(fc1, fc1_ref) < 1e-6
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # the new token's k/v, nothing else
-    assert sync[:h].tolist() == [3 * d // block_n] * h
-    assert sync[h:].tolist() == ([splits] * (m * h) if splits > 1 else [0] * (m * h))
+    stride = dk.ARRIVAL_STRIDE
+    assert sync[:h * stride:stride].tolist() == [3 * d // block_n] * h
+    assert sync[h * stride:].tolist() == ([splits] * (m * h) if splits > 1 else [0] * (m * h))
 
 
 # one sequence: the attention inside the norm + qkv/fc1 kernel (split over the context, or not); two: the

@@ -17,7 +17,7 @@ from ..model.moondream import Moondream
 from ..model.layers import layer_norm, linear, mlp_hidden
 from .cuda_graphs import CapturedGraphs
 from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, greedy_tokens, linear2_residual, norm_linear,
-                             norm_linear_attention, rotary_paged_attention)
+                             norm_linear_attention, one_kernel_counters, rotary_paged_attention)
 from .kv_cache import PagedKVCache
 
 
@@ -74,10 +74,10 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
 
 
 def _step_counters(layers: int, heads: int, rows: int, one_kernel: bool, greedy: bool, device):
-    """Zeros for the one kernel's counters (sync: [layers, heads * (1 + rows)] int32) and the LM head's
+    """Zeros for the one kernel's counters (sync: [layers, one_kernel_counters(heads, rows)] int32) and the LM head's
     greedy keys (best: greedy_keys(rows)), or None where unused: one allocation, so one memset node in
     the step's graph. Made here, not just before the LM head: that would hold up its start under PDL."""
-    sync_n = layers * heads * (1 + rows) if one_kernel else 0
+    sync_n = layers * one_kernel_counters(heads, rows) if one_kernel else 0
     keys_at = sync_n + sync_n % 2  # the keys' int64 start 8-byte aligned
     keys_n = 2 * rows if greedy else 0
     if not keys_at + keys_n:

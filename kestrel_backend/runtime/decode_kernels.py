@@ -232,6 +232,18 @@ ATTENTION_KV_BLOCK = 128  # the same in the attention kernel of its own: its fir
 # hold an SM while they wait for their head's qkv (H100, one sequence, 8 splits at 800 tokens, interleaved A/B:
 # 0 / 64 / 128 / 192 / 256 -> 1.138 / 1.129 / 1.124 / 1.118 / 1.166 ms; 128 keeps clear of that cliff)
 ONE_KERNEL_FC1_FIRST = 128
+# int32s between two heads' arrival counters in the one kernel's sync: one 128-byte line each, so the attention
+# programs polling one head do not contend with the qkv programs counting in at another. Only together with the
+# qkv programs going head by head did it pay (H200, benchmarks/ab_code.py, one sequence, three runs: 0.847 to
+# 0.848 against 0.854 to 0.856 ms at context 64, 0.938 to 0.940 against 0.942 to 0.943 at 800; either alone
+# measured no faster)
+ARRIVAL_STRIDE = 32
+
+
+def one_kernel_counters(heads: int, rows: int) -> int:
+    """How many int32 zeros norm_linear_attention's sync needs: each head's arrival counter
+    (ARRIVAL_STRIDE apart), then one merge counter per (row, head)."""
+    return heads * ARRIVAL_STRIDE + rows * heads
 
 
 def _pdl(device: torch.device, rows: int) -> dict:
@@ -528,11 +540,11 @@ def _norm_linear_attention_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_p
                                   D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, KV_BLOCK: tl.constexpr,
                                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, STATS_K: tl.constexpr, FC1_FIRST: tl.constexpr,
-                                  PDL: tl.constexpr):
+                                  ARRIVAL_STRIDE: tl.constexpr, PDL: tl.constexpr):
     """The GEMV form of _norm_linear_kernel (qkv, then fc1 with GELU) with the attention in the same grid.
-    Programs, in launch order: [qkv columns][FC1_FIRST fc1 columns][attention: sequence, head, split][the
-    other fc1 columns]. A qkv
-    program counts itself in at sync[head] once its columns are stored; an attention program waits
+    Programs, in launch order: [qkv columns, head by head][FC1_FIRST fc1 columns][attention: sequence, head,
+    split][the other fc1 columns]. A qkv program counts itself in at its head's counter once its columns are
+    stored; an attention program waits
     until all of its head's have, then runs while fc1's weight still streams: the attention leaves the
     critical path. The programs waited on have lower ids, so they were scheduled first and wait on
     nothing: no deadlock. With several splits, the last split of a (sequence, head) to finish (counted
@@ -549,21 +561,28 @@ def _norm_linear_attention_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_p
         lo, hi, kr, kp, v, valid = _first_kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, seq_lens_ptr, b, h,
                                                    split, H, H, D, HALF, PAGE, KV_BLOCK, SPLITS)
         _after_previous_kernel(PDL)
-        arrived = tl.atomic_add(sync_ptr + h, 0, sem="acquire")
+        arrived = tl.atomic_add(sync_ptr + h * ARRIVAL_STRIDE, 0, sem="acquire")
         while arrived < ARRIVALS:
-            arrived = tl.atomic_add(sync_ptr + h, 0, sem="acquire")
+            arrived = tl.atomic_add(sync_ptr + h * ARRIVAL_STRIDE, 0, sem="acquire")
         m_i, l_i, acc = _attend_new_token(qkv_ptr + b * N1, cos_ptr, sin_ptr, k_ptr, v_ptr, block_table_ptr,
                                           bt_stride, slots_ptr, b, h, split, lo, hi, kr, kp, v, valid, scale, H, H,
                                           D, HALF, PAGE, KV_BLOCK)
         _store_attention(attn_ptr, part_ml_ptr, part_acc_ptr, b * H + h, split, m_i, l_i, acc, D, SPLITS)
         if SPLITS > 1:
             tl.debug_barrier()  # every thread's partial is stored before the count says so
-            if tl.atomic_add(sync_ptr + H + b * H + h, 1, sem="acq_rel") == SPLITS - 1:
+            if tl.atomic_add(sync_ptr + H * ARRIVAL_STRIDE + b * H + h, 1, sem="acq_rel") == SPLITS - 1:
                 _combine_splits(part_ml_ptr, part_acc_ptr, attn_ptr, b * H + h, D, SPLITS)
     else:
         # the program's place among the qkv and fc1 column programs (those past the attention's shifted back)
         columns = tl.where(attention < 0, pid, pid - ATTENTION_PROGRAMS)
-        first, offs_n, w_first = _columns_and_first_tile(columns, w1_ptr, w2_ptr, N1, K, BLOCK_N, BLOCK_K)
+        # qkv programs go head by head (a head's q, then k, then v columns), so the first heads are complete
+        # while the later ones stream: their attention programs find them ready instead of holding an SM
+        head = columns // ARRIVALS
+        part = columns % ARRIVALS
+        per_part: tl.constexpr = D // BLOCK_N
+        tile = tl.where(columns < QKV_PROGRAMS, (part // per_part) * H * per_part + head * per_part
+                        + part % per_part, columns)
+        first, offs_n, w_first = _columns_and_first_tile(tile, w1_ptr, w2_ptr, N1, K, BLOCK_N, BLOCK_K)
         _after_previous_kernel(PDL)
         offs_m = tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
@@ -573,7 +592,7 @@ def _norm_linear_attention_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_p
                                      offs_m, m_mask, K, False, BLOCK_M, BLOCK_N, BLOCK_K, False, "ieee")
             _store_columns(qkv_ptr, cols, offs_m, m_mask, offs_n, N1)
             tl.debug_barrier()  # every thread's columns are stored before the count says so
-            tl.atomic_add(sync_ptr + (pid * BLOCK_N // D) % H, 1, sem="release")
+            tl.atomic_add(sync_ptr + head * ARRIVAL_STRIDE, 1, sem="release")
         else:
             cols = _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w2_ptr, w_first, bias2_ptr, offs_n,
                                      offs_m, m_mask, K, True, BLOCK_M, BLOCK_N, BLOCK_K, False, "ieee")
@@ -632,7 +651,7 @@ def norm_linear_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, fc1_weigh
                           v_cache, block_tables, seq_lens, slots, page_size: int, sync, splits: int = 1, tiles=None):
     """norm_linear(x, ..., gelu2=True) for qkv and fc1, then rotary_paged_attention(qkv, ...), as one kernel
     in which the attention runs while fc1's weight streams. The GEMV form only (up to GEMV_MAX_ROWS rows)
-    and as many kv heads as heads. sync: int32 zeros, at least heads * (1 + rows) of them, left dirty.
+    and as many kv heads as heads. sync: int32 zeros, one_kernel_counters(heads, rows) of them, left dirty.
     -> (attention output [M, H * D], gelu(fc1) [M, ff])."""
     m, k = x.shape
     n1, n2 = qkv_weight.shape[0], fc1_weight.shape[0]
@@ -640,7 +659,7 @@ def norm_linear_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, fc1_weigh
     block_m, block_n, block_k, warps, stages, use_dot = tiles or one_kernel_tiles(m, (n1, n2), k, x.dtype)
     assert m <= GEMV_MAX_ROWS and not use_dot and n1 == 3 * n_heads * dim and dim % block_n == 0
     assert x.stride(1) == 1 and qkv_weight.is_contiguous() and fc1_weight.is_contiguous() and cos.is_contiguous()
-    assert sin.is_contiguous() and sync.dtype == torch.int32 and sync.numel() >= n_heads * (1 + m)
+    assert sin.is_contiguous() and sync.dtype == torch.int32 and sync.numel() >= one_kernel_counters(n_heads, m)
     qkv = torch.empty(m, n1, device=x.device, dtype=x.dtype)
     out2 = torch.empty(m, n2, device=x.device, dtype=x.dtype)
     out, part_ml, part_acc = _attention_buffers(qkv, n_heads, dim, splits)
@@ -650,7 +669,8 @@ def norm_linear_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, fc1_weigh
         k_cache, v_cache, block_tables, block_tables.stride(0), seq_lens, slots, out, part_ml, part_acc, sync,
         dim ** -0.5, K=k, N1=n1, N2=n2, H=n_heads, D=dim, HALF=half, PAGE=page_size, KV_BLOCK=ONE_KERNEL_KV_BLOCK,
         SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=_stats_chunk(k, block_m),
-        FC1_FIRST=min(ONE_KERNEL_FC1_FIRST, n2 // block_n), num_warps=warps, num_stages=stages, **_pdl(x.device, m))
+        FC1_FIRST=min(ONE_KERNEL_FC1_FIRST, n2 // block_n), ARRIVAL_STRIDE=ARRIVAL_STRIDE, num_warps=warps,
+        num_stages=stages, **_pdl(x.device, m))
     return out, out2
 
 
