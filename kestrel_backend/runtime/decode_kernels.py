@@ -234,9 +234,9 @@ ATTENTION_KV_BLOCK = 128  # the same in the attention kernel of its own: its fir
 ONE_KERNEL_FC1_FIRST = 128
 # int32s between two heads' arrival counters in the one kernel's sync: one 128-byte line each, so the attention
 # programs polling one head do not contend with the qkv programs counting in at another. Only together with the
-# qkv programs going head by head did it pay (H200, benchmarks/ab_code.py, one sequence, three runs: 0.847 to
-# 0.848 against 0.854 to 0.856 ms at context 64, 0.938 to 0.940 against 0.942 to 0.943 at 800; either alone
-# measured no faster)
+# qkv programs going head by head did it pay (benchmarks/ab_code.py, one sequence; H200, three runs: 0.847 to
+# 0.848 against 0.854 to 0.856 ms at context 64, 0.938 to 0.940 against 0.942 to 0.943 at 800, either alone no
+# faster; H100: 1.029 against 1.034 ms at 64, 1.118 against 1.127 at 800)
 ARRIVAL_STRIDE = 32
 
 
@@ -543,12 +543,12 @@ def _norm_linear_attention_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_p
                                   ARRIVAL_STRIDE: tl.constexpr, PDL: tl.constexpr):
     """The GEMV form of _norm_linear_kernel (qkv, then fc1 with GELU) with the attention in the same grid.
     Programs, in launch order: [qkv columns, head by head][FC1_FIRST fc1 columns][attention: sequence, head,
-    split][the other fc1 columns]. A qkv program counts itself in at its head's counter once its columns are
-    stored; an attention program waits
-    until all of its head's have, then runs while fc1's weight still streams: the attention leaves the
-    critical path. The programs waited on have lower ids, so they were scheduled first and wait on
-    nothing: no deadlock. With several splits, the last split of a (sequence, head) to finish (counted
-    at sync[H + sequence * H + head]) merges them. sync must be zeros; it is left dirty."""
+    split][the other fc1 columns]. A qkv program counts itself in at its head's arrival counter once its
+    columns are stored; an attention program waits until all of its head's have, then runs while fc1's
+    weight still streams: the attention leaves the critical path. The programs waited on have lower ids,
+    so they were scheduled first and wait on nothing: no deadlock. With several splits, the last split of a
+    (sequence, head) to finish (counted at its merge counter) merges them. sync (one_kernel_counters) must
+    be zeros; it is left dirty."""
     pid = tl.program_id(0)
     QKV_PROGRAMS: tl.constexpr = N1 // BLOCK_N
     ARRIVALS: tl.constexpr = 3 * D // BLOCK_N  # the qkv programs of one head: its q, k and v columns
