@@ -41,7 +41,7 @@ def _work_items(rows: int, seqs: int) -> int:
 
 
 class PrefillGraphs:
-    """run(pieces) -> (logits [sequences, vocab] float32, last hidden [sequences, dim]): views of static
+    """run(x, slices) -> (logits [sequences, vocab] float32, last hidden [sequences, dim]): views of static
     buffers, valid until the next run. For steps of up to max_seqs sequences and max_context rows in all
     (fits()). On a CPU (tests) the same padded forward runs eagerly."""
 
@@ -86,14 +86,14 @@ class PrefillGraphs:
         """x [T, dim]: the step's inputs, sequence after sequence as slices have them (as for a flat step's
         attention.plan): each sequence's rows from position first_pos on (the positions before it are in its
         pages already; prefix_len positions from 0 are its image's), whose k/v go to its pages."""
-        start = slices[-1].end
-        assert self.fits([s.end - s.start for s in slices]) and x.shape[0] == start
-        rows = -(-start // BUCKET) * BUCKET
+        used = slices[-1].end  # real rows; those after, up to a multiple of BUCKET, are padding
+        assert self.fits([s.end - s.start for s in slices]) and x.shape[0] == used
+        rows = -(-used // BUCKET) * BUCKET
         seqs = next(b for b in self.seq_buckets if b >= len(slices))
-        self.x[:start].copy_(x)
-        self.positions[:start].copy_(torch.cat([s.positions for s in slices]))
-        self.positions[start:rows].zero_()  # (padded rows: a position the rotary table has)
-        self.slots[:start].copy_(torch.cat([self.cache.slots(s.seq_id, s.positions) for s in slices]))
+        self.x[:used].copy_(x)
+        self.positions[:used].copy_(torch.cat([s.positions for s in slices]))
+        self.positions[used:rows].zero_()  # (padded rows: a position the rotary table has)
+        self.slots[:used].copy_(torch.cat([self.cache.slots(s.seq_id, s.positions) for s in slices]))
         context = pa.context_slots(self.cache, slices)
         self.context[:context.numel()].copy_(context)
         work = torch.zeros(pa.WORK_FIELDS * _work_items(rows, seqs), dtype=torch.int32)  # zeros: empty items
