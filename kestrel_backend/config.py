@@ -36,6 +36,9 @@ class RuntimeConfig:
     max_image_pixels: int = 50_000_000
     max_objects: int = 150
     chaos_fail_after_steps: int = 0  # chaos testing: every step after this many fails (0: off)
+    adapter_dir: str = ""  # LoRA adapters: <id>/final.pt, <id>.safetensors or <id>/*.safetensors
+    max_adapters: int = 32  # adapters kept loaded on the device (LRU)
+    max_adapter_rank: int = 64
 
     ENV = {
         "model_path": "KESTREL_MODEL_PATH", "model": "KESTREL_MODEL", "revision": "KESTREL_REVISION",
@@ -45,6 +48,8 @@ class RuntimeConfig:
         "prefix_cache_size": "KESTREL_PREFIX_CACHE_SIZE",
         "max_image_bytes": "KESTREL_MAX_IMAGE_BYTES", "max_image_pixels": "KESTREL_MAX_IMAGE_PIXELS",
         "max_objects": "KESTREL_MAX_OBJECTS", "chaos_fail_after_steps": "KESTREL_CHAOS_FAIL_AFTER_STEPS",
+        "adapter_dir": "KESTREL_ADAPTER_DIR", "max_adapters": "KESTREL_MAX_ADAPTERS",
+        "max_adapter_rank": "KESTREL_MAX_ADAPTER_RANK",
     }
 
     @classmethod
@@ -71,7 +76,7 @@ class RuntimeConfig:
 
     def validate(self) -> None:
         positive = ["max_batch_size", "max_queue", "page_size", "image_cache_size", "max_image_bytes",
-                    "max_image_pixels", "max_objects"]
+                    "max_image_pixels", "max_objects", "max_adapters", "max_adapter_rank"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.ENV[name]} must be at least 1, got {getattr(self, name)}")
@@ -82,6 +87,8 @@ class RuntimeConfig:
             raise ConfigError(f"KESTREL_DEVICE must be cuda or cpu, got {self.device!r}")
         if self.dtype not in ("",) + DTYPES:
             raise ConfigError(f"KESTREL_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.adapter_dir and not Path(self.adapter_dir).is_dir():
+            raise ConfigError(f"KESTREL_ADAPTER_DIR {self.adapter_dir!r} is not a folder")
         if self.model_path and not Path(self.model_path).exists():
             raise ConfigError(f"KESTREL_MODEL_PATH {self.model_path!r} does not exist")
 

@@ -18,12 +18,13 @@ from .errors import EngineError, EngineOverloaded, InvalidRequest, RequestCancel
 from .images import ImageLimits, decode_image
 from .model.moondream import Moondream
 from .model.tokenizer import IncrementalDetokenizer
+from .runtime.adapters import AdapterRegistry
 from .runtime.image_cache import ImageCache, image_key
 from .runtime.kv_cache import PagedKVCache
 from .runtime.scheduler import Scheduler, make_crop_encoder, make_decoder, make_prefill_graphs
 from .runtime.sequence import Delivery, EngineResult, Sequence, StreamChunk
 from .skills.generation import Generation, ReasoningThenAnswer, RegionGeneration, TextGeneration
-from .skills.prompts import caption_prompt, query_prompt, region_prompt
+from .skills.prompts import caption_prompt, query_prompt, region_prompt, spatial_refs_start
 from .skills.settings import Settings
 
 log = logging.getLogger("kestrel.engine")
@@ -74,6 +75,8 @@ class InferenceEngine:
         self._ids = itertools.count(1)
         self._decoders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kestrel-decode")
         self._decoding: dict[str, asyncio.Future] = {}  # image key -> its crops, while being decoded
+        self.adapters = AdapterRegistry(config.adapter_dir, config.max_adapters, config.max_adapter_rank,
+                                        model.config.text, model.device, model.dtype, self._decoders)
         self._admitting = 0
         self.loop = asyncio.new_event_loop()
         decoder = make_decoder(model, self.kv, config.max_batch_size, self.max_context)
@@ -86,7 +89,7 @@ class InferenceEngine:
         if crop_encoder is not None:
             crop_encoder.warmup()
         self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, prefill_graphs,
-                                   config.prefix_cache_size, crop_encoder)
+                                   config.prefix_cache_size, crop_encoder, self.adapters)
         if config.chaos_fail_after_steps:
             log.warning("KESTREL_CHAOS_FAIL_AFTER_STEPS=%d: every step after that many will fail (chaos testing)",
                         config.chaos_fail_after_steps)
@@ -134,9 +137,11 @@ class InferenceEngine:
         return len(self.scheduler.waiting) + self._admitting
 
     def no_request_holds_pages(self) -> bool:
-        """Every KV page is free or kept by the prefix cache alone: what must hold once requests have ended."""
+        """Every KV page is free or kept by the prefix cache alone, and no adapter is pinned: what must hold once
+        requests have ended."""
         s = self.stats()
-        return s["pages_used"] == 0 and s["pages_free"] + s["pages_cached"] == s["pages_total"]
+        return s["pages_used"] == 0 and s["pages_free"] + s["pages_cached"] == s["pages_total"] and \
+            self.adapters.pinned == 0
 
     # --- counts for metrics ---
     def stats(self) -> dict:
@@ -150,12 +155,15 @@ class InferenceEngine:
 
     # --- public API ---
     async def query(self, image: bytes | None = None, question: str = "", reasoning: bool = False,
-                    stream: bool = False, settings: dict | None = None):
+                    stream: bool = False, settings: dict | None = None, spatial_refs=None):
+        """spatial_refs: points (x, y) and boxes (x_min, y_min, x_max, y_max) in [0, 1] that the question
+        refers to, put into the prompt as the reference does."""
         if not isinstance(question, str) or not question.strip():
             raise InvalidRequest("QUESTION is required and must be non-empty text")
         s = self._settings(settings)
+        refs = _check_spatial_refs(spatial_refs, image)
         ids = self.model.tokenizer.encode(question).ids
-        return await self._submit("query", image, ids, s, stream, reasoning=reasoning)
+        return await self._submit("query", image, ids, s, stream, reasoning=reasoning, spatial_refs=refs)
 
     async def caption(self, image: bytes, length: str = "normal", stream: bool = False, settings: dict | None = None):
         return await self._submit("caption", self._need_image(image), caption_prompt(self.model.config.tokenizer, length),
@@ -168,13 +176,14 @@ class InferenceEngine:
         return await self._region("detect", image, object, settings)
 
     async def submit_tokens(self, skill: str, image: bytes | None, ids: list[int], settings: dict | None = None,
-                            stream: bool = False, reasoning: bool = False):
+                            stream: bool = False, reasoning: bool = False, spatial_refs=None):
         """Token-level entry (parity and tests): ids are the question (query), the object (point/detect),
         or the whole prompt (caption)."""
         s = self._settings(settings)
         if skill in ("point", "detect"):
             ids = region_prompt(self.model.config.tokenizer, skill, ids)
-        return await self._submit(skill, image, ids, s, stream, reasoning=reasoning)
+        refs = _check_spatial_refs(spatial_refs, image)
+        return await self._submit(skill, image, ids, s, stream, reasoning=reasoning, spatial_refs=refs)
 
     # --- internals ---
     def _settings(self, settings: dict | None) -> Settings:
@@ -214,9 +223,9 @@ class InferenceEngine:
             return ReasoningThenAnswer(tok, settings, self.model)
         return TextGeneration(tok, settings)
 
-    async def _submit(self, skill, image, ids, settings, stream, reasoning=False):
+    async def _submit(self, skill, image, ids, settings, stream, reasoning=False, spatial_refs=()):
         delivery = Delivery(asyncio.get_running_loop(), stream)
-        admit = self._admit(skill, image, ids, settings, delivery, reasoning)
+        admit = self._admit(skill, image, ids, settings, delivery, reasoning, spatial_refs)
         try:
             if delivery.loop is self.loop:  # a caller on the engine loop (the Triton adapter): no hop between loops
                 await admit
@@ -229,11 +238,12 @@ class InferenceEngine:
             delivery.cancel()  # the caller went away: drop the request at the next step
             raise
 
-    async def _admit(self, skill, image, ids, settings, delivery, reasoning) -> None:
-        """Runs on the engine loop: bounded queue, image decode (off-thread), context check."""
+    async def _admit(self, skill, image, ids, settings, delivery, reasoning, spatial_refs) -> None:
+        """Runs on the engine loop: bounded queue, image decode (off-thread), adapter, context check."""
         if self._queue_depth >= self.config.max_queue:
             raise EngineOverloaded(f"server overloaded: {self.config.max_queue} requests already queued; retry later")
         self._admitting += 1
+        adapter = None
         try:
             key = cropped = None
             if image is not None:
@@ -243,8 +253,11 @@ class InferenceEngine:
                 if key not in self.images:
                     cropped = await self._decode_once(key, bytes(image))
             tok = self.model.config.tokenizer
+            overrides = None
             if skill == "query":
-                ids = query_prompt(tok, ids, key is not None, reasoning)
+                ids = query_prompt(tok, ids, key is not None, reasoning, spatial_refs)
+                if spatial_refs:
+                    overrides = self.model.spatial_ref_overrides(spatial_refs, spatial_refs_start(tok, key is not None))
             gen = self._generation(skill, settings, reasoning)
             prefix = self.model.config.text.prefix_attn if key is not None else 0
             prompt_len = prefix + len(ids)
@@ -254,10 +267,16 @@ class InferenceEngine:
             capacity = min(self.max_context, prompt_len + _new_positions(skill, settings, reasoning))
             if self.kv.pages_for(capacity) > self.kv.num_pages:
                 raise InvalidRequest(f"request needs {self.kv.pages_for(capacity)} KV pages, the cache has {self.kv.num_pages}")
+            if settings.adapter is not None:
+                adapter = await self.adapters.acquire(settings.adapter)
             detok = IncrementalDetokenizer(self.model.tokenizer) if stream_text(skill, delivery.stream) else None
             seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, cropped=cropped,
-                           capacity=capacity, detok=detok)
+                           capacity=capacity, detok=detok, adapter=adapter, prompt_overrides=overrides)
             self.scheduler.add(seq)
+        except BaseException:
+            if adapter is not None:
+                self.adapters.release(adapter)
+            raise
         finally:
             self._admitting -= 1
 
@@ -265,6 +284,23 @@ class InferenceEngine:
 def stream_text(skill: str, stream: bool) -> bool:
     """Only streamed text needs incremental detokenization; other text is decoded once at the end."""
     return stream and skill in ("query", "caption")
+
+
+def _check_spatial_refs(refs, image) -> list[tuple[float, ...]]:
+    """Points (x, y) or boxes (x_min, y_min, x_max, y_max), every value in [0, 1]."""
+    if not refs:
+        return []
+    if not image:
+        raise InvalidRequest("SPATIAL_REFS need an IMAGE: they point into it")
+    out = []
+    for ref in refs:
+        ref = tuple(float(v) for v in ref)
+        if len(ref) not in (2, 4) or not all(0.0 <= v <= 1.0 for v in ref):
+            raise InvalidRequest(f"SPATIAL_REFS: each must be (x, y) or (x_min, y_min, x_max, y_max) in [0, 1], got {ref}")
+        if len(ref) == 4 and (ref[2] < ref[0] or ref[3] < ref[1]):
+            raise InvalidRequest(f"SPATIAL_REFS: a box needs x_min <= x_max and y_min <= y_max, got {ref}")
+        out.append(ref)
+    return out
 
 
 def _chaos(scheduler: Scheduler, after: int):

@@ -18,10 +18,11 @@ import torch
 
 from .images import decode_image
 from .model.image_crops import overlap_crops
+from .model.lora import build_adapter, read_adapter_tensors
 from .model.moondream import Moondream
 from .model.weights import load_state
 from .skills.generation import Prompt, ReasoningThenAnswer, RegionGeneration, TextGeneration
-from .skills.prompts import caption_prompt, query_prompt, region_prompt
+from .skills.prompts import caption_prompt, query_prompt, region_prompt, spatial_refs_start
 from .skills.settings import Settings
 from .skills.single import run_single
 
@@ -42,6 +43,16 @@ class Checker:
         self.model = Moondream.from_checkpoint(folder / "model.safetensors", dtype=torch.float32)
         self._images: dict[str, np.ndarray] = {}
         self._embeddings: dict[str, torch.Tensor] = {}
+        self._adapters: dict = {}
+
+    def adapter(self, case):
+        """The case's LoRA adapter (a reference final.pt, relative to the fixture folder), or None."""
+        rel = case.get("adapter")
+        if rel is not None and rel not in self._adapters:
+            path = self.folder / rel
+            self._adapters[rel] = build_adapter(path.parent.name, read_adapter_tensors([path]), self.model.config.text,
+                                                max_rank=1024, dtype=self.model.dtype, device=self.model.device)
+        return self._adapters.get(rel)
 
     def image(self, rel: str) -> np.ndarray:
         if rel not in self._images:
@@ -70,11 +81,11 @@ class Checker:
         diff, rel = _rel_diff(self.embedding(case["image"]).float().cpu().numpy(), self.arrays[case["embedding"]])
         return rel <= REL_TOL, f"max abs diff {diff:.3g} (rel {rel:.3g})"
 
-    def _prompt(self, case, ids):
+    def _prompt(self, case, ids, overrides=None):
         if ids != case["prompt_ids"]:
             raise AssertionError(f"prompt ids {ids} differ from the reference's {case['prompt_ids']}")
         image = self.embedding(case["image"]) if case["image"] else None
-        return Prompt(ids, image)
+        return Prompt(ids, image, overrides)
 
     def _compare_text(self, case, gen, first_logits, tokens):
         diff, rel = _rel_diff(first_logits.cpu().numpy(), self.arrays[case["logits"]][0])
@@ -86,9 +97,11 @@ class Checker:
         tok = self.model.config.tokenizer
         settings = Settings(temperature=0.0, max_tokens=case["max_tokens"])
         reasoning = case.get("reasoning", False)
-        prompt = self._prompt(case, query_prompt(tok, case["question_ids"], case["image"] is not None, reasoning))
+        refs, has_image = case.get("spatial_refs") or [], case["image"] is not None
+        overrides = self.model.spatial_ref_overrides(refs, spatial_refs_start(tok, has_image)) if refs else None
+        prompt = self._prompt(case, query_prompt(tok, case["question_ids"], has_image, reasoning, refs), overrides)
         gen = ReasoningThenAnswer(tok, settings, self.model) if reasoning else TextGeneration(tok, settings)
-        logits = run_single(self.model, prompt, gen)
+        logits = run_single(self.model, prompt, gen, self.adapter(case))
         ok, msg = self._compare_text(case, gen, logits, gen.tokens)
         if reasoning:
             same = gen.reasoning_tokens == case["reasoning_tokens"]
@@ -98,13 +111,14 @@ class Checker:
     def check_caption(self, case):
         tok = self.model.config.tokenizer
         gen = TextGeneration(tok, Settings(temperature=0.0, max_tokens=case["max_tokens"]))
-        logits = run_single(self.model, self._prompt(case, caption_prompt(tok, case["length"])), gen)
+        logits = run_single(self.model, self._prompt(case, caption_prompt(tok, case["length"])), gen, self.adapter(case))
         return self._compare_text(case, gen, logits, gen.tokens)
 
     def _check_region(self, case, skill, key):
         tok = self.model.config.tokenizer
         gen = RegionGeneration(tok, Settings(max_objects=case["max_objects"]), self.model, with_size=skill == "detect")
-        logits = run_single(self.model, self._prompt(case, region_prompt(tok, skill, case["object_ids"])), gen)
+        logits = run_single(self.model, self._prompt(case, region_prompt(tok, skill, case["object_ids"])), gen,
+                            self.adapter(case))
         diff, rel = _rel_diff(logits.cpu().numpy(), self.arrays[case["logits"]][0])
         ref = case[key]
         if len(gen.objects) != len(ref):

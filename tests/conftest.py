@@ -7,8 +7,13 @@ TINY = Path(__file__).parent / "fixtures" / "md2-tiny"
 SHARED_TINY = Path(__file__).parents[2] / "shared" / "fixtures" / "md2-tiny"
 
 
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
 def fixture_dirs() -> list[Path]:
-    return [p for p in (TINY, SHARED_TINY) if (p / "cases.json").exists()]
+    """Every golden fixture folder: md2-tiny (with adapters and spatial refs), md2-tiny-4bit, md05-tiny."""
+    return sorted(p.parent for p in FIXTURES.glob("*/cases.json")) + \
+        [p for p in (SHARED_TINY,) if (p / "cases.json").exists()]
 
 
 @pytest.fixture(scope="session")

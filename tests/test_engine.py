@@ -15,7 +15,8 @@ from kestrel_backend.skills.generation import Generation
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
     eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
-                                               max_batch_size=16, max_queue=64))
+                                               max_batch_size=16, max_queue=64,
+                                               adapter_dir=str(tiny_dir / "adapters")))
     yield eng
     eng.shutdown()
     assert not eng._thread.is_alive()
@@ -28,14 +29,17 @@ def golden(tiny_dir):
 
 
 def _submit_case(engine, tiny_dir, case):
+    """A golden case through the engine: its adapter (adapters/<id>/final.pt -> id) and spatial refs too."""
     image = (tiny_dir / case["image"]).read_bytes() if case["image"] else None
     kind = case["kind"]
+    adapter = {"adapter": case["adapter"].split("/")[1]} if case.get("adapter") else {}
+    text = {"temperature": 0, "max_tokens": case.get("max_tokens"), **adapter}
     if kind == "query":
-        return engine.submit_tokens("query", image, case["question_ids"], {"temperature": 0, "max_tokens": case["max_tokens"]},
-                                    reasoning=case.get("reasoning", False))
+        return engine.submit_tokens("query", image, case["question_ids"], text, reasoning=case.get("reasoning", False),
+                                    spatial_refs=case.get("spatial_refs"))
     if kind == "caption":
-        return engine.submit_tokens("caption", image, case["prompt_ids"], {"temperature": 0, "max_tokens": case["max_tokens"]})
-    return engine.submit_tokens(kind, image, case["object_ids"], {"max_objects": case["max_objects"]})
+        return engine.submit_tokens("caption", image, case["prompt_ids"], text)
+    return engine.submit_tokens(kind, image, case["object_ids"], {"max_objects": case["max_objects"], **adapter})
 
 
 def _check_against_golden(engine, case, result):
@@ -60,15 +64,14 @@ def test_batched_equals_alone_equals_golden(engine, tiny_dir, golden):
     async def alone():
         return [await _submit_case(engine, tiny_dir, c) for c in golden]
 
-    async def together():
-        cases = (golden * 2)[:16]
-        return cases, await asyncio.gather(*[_submit_case(engine, tiny_dir, c) for c in cases])
+    async def together():  # two adapters and none, spatial refs and none, in full batches of 16 and joining
+        return golden, await asyncio.gather(*[_submit_case(engine, tiny_dir, c) for c in golden])
 
     single = asyncio.run(alone())
     for case, result in zip(golden, single):
         _check_against_golden(engine, case, result)
     cases, batched = asyncio.run(together())
-    assert len(cases) == 16
+    assert len(cases) > 16 and {c.get("adapter") for c in cases} >= {None, "adapters/r8/final.pt", "adapters/r4/final.pt"}
     for case, result in zip(cases, batched):
         _check_against_golden(engine, case, result)
         assert result.output == single[golden.index(case)].output
@@ -412,3 +415,102 @@ def test_a_request_from_the_engine_loop_waits_no_extra_steps(engine):
 
     steps, token_index = asyncio.run_coroutine_threadsafe(on_engine_loop(), engine.loop).result(timeout=120)
     assert steps == 1 + token_index
+
+
+@pytest.mark.parametrize("name", ["md2-tiny-4bit", "md05-tiny"])
+def test_other_checkpoints_serve_their_golden_answers(name, tiny_dir):
+    """A 4-bit checkpoint (dequantised as the reference does) and a 0.5B-style one (its own token ids and
+    templates from config.json) served by the engine, batched, equal the reference's answers."""
+    folder = tiny_dir.parent / name
+    cases = [c for c in json.loads((folder / "cases.json").read_text())["cases"]
+             if c["kind"] in ("query", "caption", "point", "detect")]
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32"))
+    try:
+        async def together():
+            return await asyncio.gather(*[_submit_case(eng, folder, c) for c in cases])
+
+        for case, result in zip(cases, asyncio.run(together())):
+            _check_against_golden(eng, case, result)
+        if name == "md05-tiny":  # no "long" caption template: a clear error, not a crash
+            with pytest.raises(InvalidRequest, match="LENGTH must be one of short, normal"):
+                asyncio.run(eng.caption((folder / "images/small.png").read_bytes(), length="long"))
+        assert eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
+def _write_adapter(path, state):
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+
+
+def test_adapter_errors_end_that_request_only(engine, tiny_dir, tmp_path):
+    """Unknown id, unreadable file, wrong shapes, rank above the limit: a clear error for that request, no
+    adapter left pinned, and requests beside it answer as before."""
+    import torch
+
+    good = torch.load(tiny_dir / "adapters" / "r8" / "final.pt", weights_only=True)
+    folder = tmp_path / "adapters"
+    (folder / "corrupt").mkdir(parents=True)
+    (folder / "corrupt" / "final.pt").write_bytes(b"not a checkpoint")
+    key = "text_model.transformer.h.1.mlp.fc2.parametrizations.weight.0.A"
+    _write_adapter(folder / "badshape" / "final.pt", {**good, key: good[key][:, :7]})
+    _write_adapter(folder / "missing" / "final.pt", {k: v for k, v in good.items() if k != key})
+    from safetensors.torch import save_file
+
+    save_file(good, str(folder / "as-safetensors.safetensors"))
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               adapter_dir=str(folder), max_adapter_rank=4))
+    image = (tiny_dir / "images" / "small.png").read_bytes()
+    try:
+        cases = [("nope", "adapter 'nope' not found"), ("corrupt", "cannot read final.pt"),
+                 ("badshape", "'text.blocks.1.mlp.fc2.A' .* do not fit"), ("missing", "missing tensor 'text.blocks.1.mlp.fc2.A'"),
+                 ("as-safetensors", "rank 8 .* above the limit of 4"), ("../r8", "must be an adapter id")]
+        for adapter_id, message in cases:
+            with pytest.raises(InvalidRequest, match=message):
+                asyncio.run(eng.query(image, "What?", settings={"adapter": adapter_id, "max_tokens": 3}))
+        with pytest.raises(InvalidRequest, match="adapter and variant both given"):
+            asyncio.run(eng.query(image, "What?", settings={"adapter": "a", "variant": "b"}))
+        assert asyncio.run(eng.query(image, "What?", settings={"max_tokens": 3, "temperature": 0})).output["answer"]
+        assert eng.adapters.pinned == 0 and eng.adapters.loaded() == [] and eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
+def test_adapter_lru_evicts_only_unpinned_adapters(tiny_dir):
+    """One slot: adapters take turns in it (the reference's `variant` name works too); while a request holds
+    the slot, a request for another adapter is refused as overloaded, and the holder finishes."""
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               adapter_dir=str(tiny_dir / "adapters"), max_adapters=1))
+    image = (tiny_dir / "images" / "small.png").read_bytes()
+    greedy = {"temperature": 0, "max_tokens": 4}
+    try:
+        a = asyncio.run(eng.query(image, "What?", settings={**greedy, "adapter": "r8"}))
+        b = asyncio.run(eng.query(image, "What?", settings={**greedy, "variant": "r4"}))
+        assert eng.adapters.loaded() == ["r4"] and eng.adapters.loads == 2
+        assert asyncio.run(eng.query(image, "What?", settings={**greedy, "adapter": "r8"})).output == a.output
+        assert a.output != b.output
+
+        async def held_then_other():
+            stream = await eng.query(image, "What?", stream=True, settings={"temperature": 0, "max_tokens": 200,
+                                                                          "adapter": "r8"})
+            with pytest.raises(EngineOverloaded, match="adapter slots"):
+                await eng.query(image, "What?", settings={**greedy, "adapter": "r4"})
+            return await stream.result()
+
+        assert asyncio.run(held_then_other()).finish_reason in ("stop", "length")
+        assert eng.adapters.pinned == 0 and eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
+def test_spatial_refs_are_checked(engine, tiny_dir):
+    image = (tiny_dir / "images" / "small.png").read_bytes()
+    for refs, message in [([(0.5, 1.5)], r"in \[0, 1\]"), ([(0.1, 0.2, 0.3)], r"\(x, y\) or"),
+                          ([(0.6, 0.2, 0.3, 0.9)], "x_min <= x_max"), ([(float("nan"), 0.5)], r"in \[0, 1\]")]:
+        with pytest.raises(InvalidRequest, match=message):
+            asyncio.run(engine.query(image, "What?", spatial_refs=refs))
+    with pytest.raises(InvalidRequest, match="need an IMAGE"):
+        asyncio.run(engine.query(None, "What?", spatial_refs=[(0.5, 0.5)]))

@@ -7,7 +7,7 @@ from kestrel_backend import parity
 from conftest import fixture_dirs
 
 
-@pytest.mark.parametrize("folder", fixture_dirs(), ids=lambda p: str(p.parent.parent.name))
+@pytest.mark.parametrize("folder", fixture_dirs(), ids=lambda p: f"{p.parent.parent.name}/{p.name}")
 def test_parity_passes_on_golden_fixtures(folder, capsys):
     assert parity.main([str(folder)]) == 0
     out = capsys.readouterr().out

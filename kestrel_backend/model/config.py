@@ -1,4 +1,4 @@
-"""Moondream 2 architecture config: frozen dataclasses, defaults are the official sizes."""
+"""Moondream 2 (and 0.5B) architecture config: frozen dataclasses, defaults are the official sizes."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class TextConfig:
     prefix_attn: int = 730  # BOS + 729 image tokens attend bidirectionally
     rope_dim: int = 32  # rotary embedding covers the first 32 dims of each head
     rope_theta: float = 10000.0
+    group_size: int | None = None  # 4-bit checkpoints: values per scale and zero point of the packed weights
 
     @property
     def head_dim(self) -> int:
@@ -54,6 +55,7 @@ class RegionConfig:
     size_feat_dim: int = 512
     size_out_dim: int = 2048
     inner_dim: int = 8192
+    group_size: int | None = None  # as TextConfig's
 
 
 def _default_templates() -> dict:
@@ -92,7 +94,7 @@ class MoondreamConfig:
                                ("tokenizer", TokenizerConfig)]:
             values = d.get(name, {}) or {}
             known = {f.name for f in dataclasses.fields(part_cls)}
-            unknown = sorted(set(values) - known - {"group_size"})  # group_size: quantised checkpoints only
+            unknown = sorted(set(values) - known)
             if unknown:
                 raise ValueError(f"config.json: unknown {name} keys {unknown}")
             parts[name] = part_cls(**{k: v for k, v in values.items() if k in known})

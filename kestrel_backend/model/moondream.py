@@ -1,4 +1,4 @@
-"""Moondream 2: the model as a set of functions over plain weights, ready for any KV cache."""
+"""Moondream 2 (and 0.5B): the model as a set of functions over plain weights, ready for any KV cache."""
 
 from __future__ import annotations
 
@@ -55,8 +55,28 @@ class Moondream:
     def embed_tokens(self, ids) -> torch.Tensor:
         return text.embed_tokens(torch.as_tensor(ids, device=self.device, dtype=torch.long), self.weights.text)
 
-    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, attention: text.Attention) -> torch.Tensor:
-        return text.decode(inputs, positions, self.weights.text, self.config.text, self.rope, attention)
+    def embed_prompt(self, ids, overrides: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Token embeddings, with the rows that overrides names (a prompt index -> embedding) replaced."""
+        x = self.embed_tokens(ids)
+        for index, embedding in (overrides or {}).items():
+            x[index] = embedding
+        return x
+
+    def spatial_ref_overrides(self, refs, first_index: int) -> dict[int, torch.Tensor]:
+        """The embeddings of spatial_ref_tokens(refs) laid out from prompt index first_index."""
+        coords, sizes = region.spatial_ref_embeddings(refs, self.weights.region)
+        overrides, index, c, s = {}, first_index, 0, 0
+        for ref in refs:
+            overrides[index], overrides[index + 1] = coords[c], coords[c + 1]
+            index, c = index + 2, c + 2
+            if len(ref) == 4:
+                overrides[index] = sizes[s]
+                index, s = index + 1, s + 1
+        return overrides
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, attention: text.Attention,
+                lora=None) -> torch.Tensor:
+        return text.decode(inputs, positions, self.weights.text, self.config.text, self.rope, attention, lora)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return text.lm_head(hidden, self.weights.text).float()

@@ -45,3 +45,21 @@ def size_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Bin b of n maps to 2^(10 b / (n - 1) - 10): sizes from 1/1024 to 1 of the image side."""
     bins = logits.argmax(dim=-1).float()
     return torch.pow(2.0, bins / (logits.shape[-1] - 1) * 10.0 - 10.0)
+
+
+def spatial_ref_embeddings(refs, w: RegionWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Points (x, y) and boxes (x_min, y_min, x_max, y_max) -> the embeddings of their coordinate tokens (x
+    then y of each, a box by its centre) [2N, dim] and of the boxes' size tokens (width, height) [boxes, dim]."""
+    coords, sizes = [], []
+    for ref in refs:
+        if len(ref) == 2:
+            coords += [ref[0], ref[1]]
+        else:
+            coords += [(ref[0] + ref[2]) / 2, (ref[1] + ref[3]) / 2]
+            sizes.append([ref[2] - ref[0], ref[3] - ref[1]])
+    f = w.coord_features
+    coord_emb = encode_coordinate(torch.tensor(coords, device=f.device, dtype=f.dtype).view(-1, 1), w)
+    size_emb = None
+    if sizes:
+        size_emb = encode_size(torch.tensor(sizes, device=f.device, dtype=w.size_features.dtype), w)
+    return coord_emb, size_emb

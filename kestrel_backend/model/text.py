@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from .config import TextConfig
 from .layers import layer_norm, linear, mlp, mlp_hidden
-from .weights import TextWeights
+from .lora import LoraRows
+from .weights import TextBlock, TextWeights
 
 
 class Attention(Protocol):
@@ -61,21 +62,37 @@ def embed_tokens(ids: torch.Tensor, w: TextWeights) -> torch.Tensor:
 
 
 def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: TextConfig,
-           rope: torch.Tensor, attention: Attention) -> torch.Tensor:
-    """Run all blocks over x [T, dim] (tokens of one or many sequences) -> hidden [T, dim]."""
+           rope: torch.Tensor, attention: Attention, lora: LoraRows | None = None) -> torch.Tensor:
+    """Run all blocks over x [T, dim] (tokens of one or many sequences) -> hidden [T, dim]. lora: the rows
+    that add an adapter's deltas, if any."""
     n = x.shape[0]
     cos, sin = rope[positions, :, 0], rope[positions, :, 1]  # gathered once per step, not per layer
     for i, block in enumerate(w.blocks):
         h = layer_norm(x, block.ln)
-        q, k, v = split_qkv_with_rope(linear(h, block.qkv), cos, sin, config)
+        qkv = linear(h, block.qkv)
+        if lora is not None:
+            lora.add(qkv, h, i, "qkv")
+        q, k, v = split_qkv_with_rope(qkv, cos, sin, config)
         out = attention(i, q, k, v).reshape(n, -1)
-        if x.is_cuda:  # residual adds folded into the two output GEMMs (beta = 1): two kernels less per layer
+        if lora is not None:
+            attn_out, mlp_out = _block_outputs_with_lora(h, out, block, lora, i)
+            x = x + attn_out + mlp_out
+        elif x.is_cuda:  # residual adds folded into the two output GEMMs (beta = 1): two kernels less per layer
             g = mlp_hidden(h, block.mlp)
             x = torch.addmm(x, out, block.proj.weight.t()) if i == 0 else x.addmm_(out, block.proj.weight.t())
             x.addmm_(g, block.mlp.fc2.weight.t()).add_(block.out_bias)  # in place past layer 0: x is ours then
         else:
             x = x + linear(out, block.proj) + mlp(h, block.mlp)
     return x
+
+
+def _block_outputs_with_lora(h: torch.Tensor, out: torch.Tensor, block: TextBlock, lora: LoraRows,
+                             layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention projection plus MLP, each with its adapter delta added as the reference adds it (proj's
+    delta from the normed input h; fc1's before the GELU)."""
+    attn = lora.add(linear(out, block.proj), h, layer, "proj")
+    g = F.gelu(lora.add(linear(h, block.mlp.fc1), h, layer, "fc1"), approximate="tanh")
+    return attn, lora.add(linear(g, block.mlp.fc2), g, layer, "fc2")
 
 
 def lm_head(hidden: torch.Tensor, w: TextWeights) -> torch.Tensor:

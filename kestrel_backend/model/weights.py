@@ -1,4 +1,4 @@
-"""Checkpoint loading: safetensors or .pt, in both official Moondream 2 tensor-name layouts.
+"""Checkpoint loading: safetensors or .pt, in both official Moondream 2 tensor-name layouts, 4-bit or not.
 
 Current layout: model.vision.blocks.N.*, model.text.blocks.N.*, model.region.*
 Legacy layout:  vision_encoder.encoder.model.visual.*, text_model.transformer.h.N.*, region_model.*
@@ -231,8 +231,44 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{path}: unsupported weight file type '{path.suffix}' (use .safetensors or .pt)")
 
 
+PACKED_PARTS = ("packed", "scale", "zero_point")
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, shape) -> torch.Tensor:
+    """A 4-bit weight back to bf16, with the reference's operations in its order: each packed row holds a
+    group's high nibbles in its first half of rows' worth, low nibbles in the second; (q - zero) * scale."""
+    step = packed.shape[0]
+    w = torch.empty((2 * step, packed.shape[1]), dtype=torch.bfloat16, device=packed.device)
+    w[:step] = (packed & 0b11110000) >> 4
+    w[step:] = packed & 0b00001111
+    w.sub_(zero_point.float()).mul_(scale.float())  # (the reference holds both as float32 parameters)
+    return w.reshape(shape)
+
+
+def _dequantize_state(state: dict[str, torch.Tensor], expected: dict, config: MoondreamConfig, source: str) -> None:
+    """Replace every `<linear>.weight.{packed,scale,zero_point}` triple by its dequantised weight."""
+    for name in sorted(n for n in state if n.endswith(".weight.packed")):
+        base = name.removesuffix(".packed")
+        group = config.region.group_size if base.startswith("region.") else config.text.group_size
+        if base not in expected or group is None:
+            raise CheckpointError(f"{source}: packed 4-bit tensor '{name}' but config.json gives no group_size for it"
+                                  if base in expected else f"{source}: unexpected tensor '{name}'")
+        parts = {p: state.pop(f"{base}.{p}", None) for p in PACKED_PARTS}
+        missing = [p for p, t in parts.items() if t is None]
+        if missing:
+            raise CheckpointError(f"{source}: missing tensor '{base}.{missing[0]}'")
+        shape = expected[base]
+        n_groups = shape[0] * shape[1] // group
+        want = {"packed": (n_groups // 2, group), "scale": (n_groups, 1), "zero_point": (n_groups, 1)}
+        for p, t in parts.items():
+            if tuple(t.shape) != want[p] or (p == "packed") != (t.dtype == torch.uint8):
+                raise CheckpointError(f"{source}: tensor '{base}.{p}' has shape {tuple(t.shape)} ({t.dtype}), "
+                                      f"expected {want[p]}" + (" uint8" if p == "packed" else ""))
+        state[base] = dequantize(parts["packed"], parts["scale"], parts["zero_point"], shape)
+
+
 def load_state(path: str | Path, config: MoondreamConfig) -> dict[str, torch.Tensor]:
-    """Read, normalise and validate every tensor; errors name the tensor and the file."""
+    """Read, normalise and validate every tensor (4-bit ones dequantised); errors name the tensor and the file."""
     state: dict[str, torch.Tensor] = {}
     files = checkpoint_files(path)
     for file in files:
@@ -240,6 +276,7 @@ def load_state(path: str | Path, config: MoondreamConfig) -> dict[str, torch.Ten
             state[name] = tensor
     source = ", ".join(str(f) for f in files)
     expected = expected_shapes(config)
+    _dequantize_state(state, expected, config, source)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"{source}: missing tensor '{missing[0]}'" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

@@ -18,6 +18,7 @@ from collections import deque
 import torch
 
 from ..errors import EngineError, RequestCancelled
+from ..model.lora import LoraRows
 from ..model.moondream import Moondream
 from ..skills.generation import ReasoningThenAnswer, RegionGeneration
 from ..skills.sampling import choose_tokens
@@ -73,7 +74,7 @@ def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_cont
 
 class Scheduler:
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
-                 decoder=None, prefill_graphs=None, prefix_cache_size: int = 0, crop_encoder=None):
+                 decoder=None, prefill_graphs=None, prefix_cache_size: int = 0, crop_encoder=None, adapters=None):
         self.model = model
         self.cache = cache
         self.images = image_cache
@@ -83,6 +84,7 @@ class Scheduler:
         self.decoder = decoder
         self.prefill_graphs = prefill_graphs  # graphs for prefill steps (make_prefill_graphs), or None
         self.crop_encoder = crop_encoder  # graphs of the vision encoder, or None (eager)
+        self.adapters = adapters  # the AdapterRegistry that sequences' adapters are pinned in
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wake = asyncio.Event()
@@ -167,10 +169,10 @@ class Scheduler:
         new = []
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            shared = self.prefixes.lookup(seq.image_key) if seq.image_key is not None else []
+            shared = self.prefixes.lookup(seq.prefix_key) if seq.image_key is not None else []
             need = self.cache.pages_for(seq.capacity) - len(shared)
             if need > self.cache.pages_free:
-                self.prefixes.reclaim(need, keep=seq.image_key)
+                self.prefixes.reclaim(need, keep=seq.prefix_key)
                 if need > self.cache.pages_free:
                     break  # wait for pages; FIFO keeps big requests from starving
             self.waiting.popleft()
@@ -186,7 +188,7 @@ class Scheduler:
         after this one has written them)."""
         for seq in prefilled:
             if seq.image_key is not None and not seq.cached_tokens:
-                self.prefixes.insert(seq.image_key, self.cache.tables[seq.id], seq.prefix_len)
+                self.prefixes.insert(seq.prefix_key, self.cache.tables[seq.id], seq.prefix_len)
 
     def _attach_images(self, seqs: list[Sequence]) -> list[Sequence]:
         """Image prefixes for newly admitted sequences: cached embeddings, else one batched encode."""
@@ -229,7 +231,9 @@ class Scheduler:
     def _decode(self, seqs: list[Sequence], launch_ahead: bool = False):
         """-> (logits, hidden, greedy tokens when the step chose them already, or None). launch_ahead:
         the next step will decode the same sequences, if none finishes."""
-        if self.decoder is None:
+        if self.decoder is None or any(s.adapter is not None for s in seqs):  # (the graphs have no adapters yet)
+            self.steps_ahead["dropped"] += self._ahead is not None
+            self._ahead = None
             return *self._forward_flat(seqs, prefill=False), None
         ids, positions = [s.id for s in seqs], [s.length for s in seqs]
         choices = [s.generation.choice() for s in seqs]
@@ -267,7 +271,7 @@ class Scheduler:
         pieces = []
         if prefill:  # from the first position not in the cache yet
             for seq in seqs:
-                x = m.embed_tokens(seq.token_ids)
+                x = m.embed_prompt(seq.token_ids, seq.prompt_overrides)
                 pieces.append((torch.cat([seq.next_input, x], dim=0) if seq.prefix_len else x)[seq.length:])
         else:
             pieces = list(self._inputs(seqs)[:, None, :])
@@ -278,10 +282,12 @@ class Scheduler:
             start += x.shape[0]
             seq.length += x.shape[0]
         x = torch.cat(pieces)
-        if prefill and self.prefill_graphs is not None and self.prefill_graphs.fits([len(p) for p in pieces]):
+        lora = LoraRows.of([s.adapter for s in seqs], [len(p) for p in pieces])
+        if prefill and lora is None and self.prefill_graphs is not None and \
+                self.prefill_graphs.fits([len(p) for p in pieces]):
             return self.prefill_graphs.run(x, slices)
         self.attention.plan(slices)
-        hidden = m.forward(x, torch.cat([s.positions for s in slices]), self.attention)
+        hidden = m.forward(x, torch.cat([s.positions for s in slices]), self.attention, lora)
         last = hidden[[s.end - 1 for s in slices]]
         return m.logits(last), last
 
@@ -312,6 +318,9 @@ class Scheduler:
     # --- leaving ---
     def _end(self, seq: Sequence, error: BaseException | None = None) -> None:
         self.cache.free(seq.id)
+        if seq.adapter is not None:
+            self.adapters.release(seq.adapter)
+            seq.adapter = None
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..model.lora import LoraAdapter
 from ..model.tokenizer import IncrementalDetokenizer
 from ..skills.generation import Generation
 
@@ -123,6 +124,8 @@ class Sequence:
     cropped: tuple[np.ndarray, tuple[int, int]] | None = None  # (crops, tiling), until encoded
     capacity: int = 0  # positions reserved in the KV cache
     detok: IncrementalDetokenizer | None = None
+    adapter: LoraAdapter | None = None  # pinned in the engine's AdapterRegistry until the sequence ends
+    prompt_overrides: dict[int, torch.Tensor] | None = None  # prompt index -> embedding (spatial refs)
     # filled by the scheduler
     prefix_len: int = 0
     length: int = 0  # positions written so far
@@ -132,6 +135,13 @@ class Sequence:
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
     prefill_ms: float = 0.0
+
+    @property
+    def prefix_key(self) -> str | None:
+        """What the image prefix's KV pages depend on: the image, and the adapter (it changes every layer's KV)."""
+        if self.image_key is None or self.adapter is None:
+            return self.image_key
+        return f"{self.image_key}+{self.adapter.name}#{self.adapter.uid}"
 
     @property
     def input_tokens(self) -> int:

@@ -23,10 +23,12 @@ NextInput = int | torch.Tensor | None
 
 @dataclass
 class Prompt:
-    """What a request prefills: an optional image embedding (after BOS) then token ids."""
+    """What a request prefills: an optional image embedding (after BOS) then token ids, some of whose
+    embeddings may be replaced (overrides: prompt index -> embedding, as for spatial refs)."""
 
     token_ids: list[int]
     image_embedding: torch.Tensor | None = None
+    overrides: dict | None = None
 
 
 class Generation:

@@ -8,20 +8,43 @@ from ..model.config import TokenizerConfig
 CAPTION_LENGTHS = ("short", "normal", "long")
 
 
-def query_prompt(tok: TokenizerConfig, question_ids: list[int], has_image: bool, reasoning: bool) -> list[int]:
-    t = tok.templates["query"]
-    # The reference repeats the suffix (answer marker) unless it asks for a reasoning trace.
+def template(tok: TokenizerConfig, skill: str) -> dict:
+    t = tok.templates.get(skill)
+    if not t:
+        raise InvalidRequest(f"SKILL {skill} is not supported by this model (its config.json has no {skill} template)")
+    return t
+
+
+def spatial_ref_tokens(tok: TokenizerConfig, refs) -> list[int]:
+    """Two coordinate tokens per point; a box adds a size token."""
+    return [i for ref in refs for i in ([tok.coord_id] * 2 + ([tok.size_id] if len(ref) == 4 else []))]
+
+
+def query_prompt(tok: TokenizerConfig, question_ids: list[int], has_image: bool, reasoning: bool,
+                 spatial_refs=()) -> list[int]:
+    """[BOS (text-only)] prefix, spatial-ref tokens, question, suffix, then the suffix again or the thinking
+    marker: the reference repeats the suffix (answer marker) unless it asks for a reasoning trace."""
+    t = template(tok, "query")
+    if reasoning and len(t["suffix"]) != 1:
+        raise InvalidRequest("REASONING is not supported by this model (its query template has no answer marker)")
     tail = [tok.thinking_id] if reasoning else t["suffix"]
-    ids = t["prefix"] + question_ids + t["suffix"] + tail
+    ids = t["prefix"] + spatial_ref_tokens(tok, spatial_refs) + question_ids + t["suffix"] + tail
     return ids if has_image else [tok.bos_id] + ids
 
 
+def spatial_refs_start(tok: TokenizerConfig, has_image: bool) -> int:
+    """The prompt index of query_prompt's first spatial-ref token."""
+    return len(template(tok, "query")["prefix"]) + (0 if has_image else 1)
+
+
 def caption_prompt(tok: TokenizerConfig, length: str) -> list[int]:
-    if length not in CAPTION_LENGTHS:
-        raise InvalidRequest(f"LENGTH must be one of {', '.join(CAPTION_LENGTHS)}, got {length!r}")
-    return list(tok.templates["caption"][length])
+    lengths = template(tok, "caption")
+    if length not in lengths:
+        allowed = [n for n in CAPTION_LENGTHS if n in lengths]
+        raise InvalidRequest(f"LENGTH must be one of {', '.join(allowed)} for this model, got {length!r}")
+    return list(lengths[length])
 
 
 def region_prompt(tok: TokenizerConfig, skill: str, object_ids: list[int]) -> list[int]:
-    t = tok.templates[skill]
+    t = template(tok, skill)
     return t["prefix"] + object_ids + t["suffix"]

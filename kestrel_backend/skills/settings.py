@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from ..errors import InvalidRequest
@@ -11,6 +12,9 @@ DEFAULT_TEMPERATURE = 0.2
 DEFAULT_TOP_P = 0.9
 DEFAULT_MAX_TOKENS = 768
 DEFAULT_MAX_OBJECTS = 150
+KEYS = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "adapter", "variant")
+# Adapter ids name a folder or file: letters, digits and . _ - @ (Kestrel's "<finetune_id>@<step>"), no path.
+ADAPTER_ID = re.compile(r"[A-Za-z0-9_\-@][A-Za-z0-9_.\-@]{0,127}")
 
 
 class SettingsError(InvalidRequest):
@@ -24,19 +28,21 @@ class Settings:
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_objects: int = DEFAULT_MAX_OBJECTS
     seed: int | None = None
+    adapter: str | None = None  # LoRA adapter id ("variant" in the reference's settings)
 
     @classmethod
     def from_dict(cls, values: dict | None, max_tokens_limit: int = 2048, max_objects_limit: int = 150) -> "Settings":
         values = dict(values or {})
-        unknown = sorted(set(values) - {"temperature", "top_p", "max_tokens", "max_objects", "seed"})
+        unknown = sorted(set(values) - set(KEYS))
         if unknown:
-            raise SettingsError(f"SETTINGS: unknown key(s) {unknown}; allowed: temperature, top_p, max_tokens, max_objects, seed")
+            raise SettingsError(f"SETTINGS: unknown key(s) {unknown}; allowed: {', '.join(KEYS)}")
         s = cls(
             temperature=_number(values, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0),
             top_p=_number(values, "top_p", DEFAULT_TOP_P, 0.0, 1.0, low_open=True),
             max_tokens=_integer(values, "max_tokens", DEFAULT_MAX_TOKENS, 1, max_tokens_limit),
             max_objects=_integer(values, "max_objects", min(DEFAULT_MAX_OBJECTS, max_objects_limit), 1, max_objects_limit),
             seed=None if values.get("seed") is None else _integer(values, "seed", 0, 0, 2**63 - 1),
+            adapter=_adapter(values),
         )
         return s
 
@@ -57,4 +63,16 @@ def _integer(values, key, default, low, high) -> int:
         raise SettingsError(f"SETTINGS: {key} must be an integer, got {v!r}")
     if v < low or v > high:
         raise SettingsError(f"SETTINGS: {key} must be between {low} and {high}, got {v}")
+    return v
+
+
+def _adapter(values) -> str | None:
+    if values.get("adapter") is not None and values.get("variant") is not None:
+        raise SettingsError("SETTINGS: adapter and variant both given; they are one setting, send one")
+    key = "adapter" if values.get("adapter") is not None else "variant"
+    v = values.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str) or not ADAPTER_ID.fullmatch(v) or ".." in v:
+        raise SettingsError(f"SETTINGS: {key} must be an adapter id (letters, digits, . _ - @; at most 128), got {v!r}")
     return v

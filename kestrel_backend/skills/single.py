@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.lora import LoraAdapter, LoraRows
 from ..model.moondream import Moondream
 from ..model.text import DenseCache
 from .generation import Generation, Prompt
@@ -11,9 +12,11 @@ from .sampling import choose_tokens
 
 
 @torch.inference_mode()
-def run_single(model: Moondream, prompt: Prompt, generation: Generation) -> torch.Tensor:
-    """Drive `generation` to the end; returns the first-step logits (prefill output)."""
-    inputs = model.embed_tokens(prompt.token_ids)
+def run_single(model: Moondream, prompt: Prompt, generation: Generation,
+               adapter: LoraAdapter | None = None) -> torch.Tensor:
+    """Drive `generation` to the end (with adapter's deltas on every position, the image prefix's too);
+    returns the first-step logits (prefill output)."""
+    inputs = model.embed_prompt(prompt.token_ids, prompt.overrides)
     prefix_len = 0
     if prompt.image_embedding is not None:
         prefix = model.image_prefix(prompt.image_embedding)
@@ -24,7 +27,8 @@ def run_single(model: Moondream, prompt: Prompt, generation: Generation) -> torc
     first_logits = None
     while True:
         cache.set_positions(positions)
-        hidden = model.forward(inputs, positions, cache)[-1]
+        lora = LoraRows([(0, inputs.shape[0], adapter)]) if adapter is not None else None
+        hidden = model.forward(inputs, positions, cache, lora)[-1]
         logits = model.logits(hidden)
         if first_logits is None:
             first_logits = logits.clone()

@@ -95,7 +95,8 @@ class TritonAdapter:
     async def _call(self, wire: WireRequest, stream: bool):
         e = self.engine
         if wire.skill == "query":
-            return await e.query(wire.image, wire.question or "", wire.reasoning, stream, wire.settings)
+            return await e.query(wire.image, wire.question or "", wire.reasoning, stream, wire.settings,
+                                 wire.spatial_refs)
         if wire.skill == "caption":
             return await e.caption(wire.image, wire.length, stream, wire.settings)
         return await getattr(e, wire.skill)(wire.image, wire.object or "", wire.settings)

@@ -24,6 +24,7 @@ class WireRequest:
     stream: bool
     reasoning: bool
     settings: dict | None
+    spatial_refs: list[tuple[float, ...]] | None = None
 
 
 def _one(name: str, arr: np.ndarray):
@@ -63,6 +64,41 @@ def _flag(name: str, arr: np.ndarray | None) -> bool:
     return bool(_one(name, arr))
 
 
+# Kestrel's own Triton tensors, accepted beside SETTINGS for drop-in compatibility: input -> (key, dtype)
+KESTREL_SETTING_TENSORS = {"TEMPERATURE": ("temperature", np.float32), "TOP_P": ("top_p", np.float32),
+                           "MAX_TOKENS": ("max_tokens", np.int32), "MAX_OBJECTS": ("max_objects", np.int32)}
+
+
+def _merge_setting_tensors(get, settings: dict | None) -> dict | None:
+    for name, (key, dtype) in KESTREL_SETTING_TENSORS.items():
+        arr = get(name)
+        if arr is None:
+            continue
+        if arr.dtype != dtype:
+            raise InvalidRequest(f"{name} must be a {np.dtype(dtype).name.upper()} tensor, got {arr.dtype}")
+        settings = dict(settings or {})
+        if key in settings:
+            raise InvalidRequest(f"{name} and SETTINGS.{key} both given; send one of them")
+        value = _one(name, arr)
+        settings[key] = float(value) if dtype == np.float32 else int(value)
+    return settings
+
+
+def _spatial_refs(arr: np.ndarray | None) -> list[tuple[float, ...]] | None:
+    """SPATIAL_REFS: rows of (x, y) points or (x_min, y_min, x_max, y_max) boxes, normalised to [0, 1]."""
+    if arr is None or arr.size == 0:  # (Kestrel's backend also reads an empty tensor as none)
+        return None
+    if arr.dtype != np.float32:
+        raise InvalidRequest(f"SPATIAL_REFS must be an FP32 tensor, got {arr.dtype}")
+    if arr.ndim != 2 or arr.shape[1] not in (2, 4):
+        raise InvalidRequest(f"SPATIAL_REFS must have shape [N, 2] (points) or [N, 4] (boxes), got {list(arr.shape)}")
+    if not np.all(np.isfinite(arr)) or arr.min() < 0 or arr.max() > 1:
+        raise InvalidRequest("SPATIAL_REFS values must be finite and within [0, 1]")
+    if arr.shape[1] == 4 and np.any((arr[:, 2] < arr[:, 0]) | (arr[:, 3] < arr[:, 1])):
+        raise InvalidRequest("SPATIAL_REFS boxes must have x_min <= x_max and y_min <= y_max")
+    return [tuple(float(v) for v in row) for row in arr]
+
+
 def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
     """`get(name)` returns an input as numpy (None when absent). Raises InvalidRequest naming the input."""
     skill = _text("SKILL", get("SKILL"))
@@ -78,6 +114,10 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
             raise InvalidRequest(f"SETTINGS is not valid JSON: {e.msg}") from None
         if not isinstance(settings, dict):
             raise InvalidRequest("SETTINGS must be a JSON object")
+    settings = _merge_setting_tensors(get, settings)
+    spatial_refs = _spatial_refs(get("SPATIAL_REFS"))
+    if spatial_refs is not None and skill != "query":
+        raise InvalidRequest(f"SPATIAL_REFS is only taken by the query skill, not {skill}")
     return WireRequest(
         skill=skill,
         image=_bytes("IMAGE", get("IMAGE")),
@@ -87,6 +127,7 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
         stream=_flag("STREAM", get("STREAM")),
         reasoning=_flag("REASONING", get("REASONING")),
         settings=settings,
+        spatial_refs=spatial_refs,
     )
 
 

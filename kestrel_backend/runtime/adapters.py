@@ -1,0 +1,140 @@
+"""The loaded LoRA adapters: found in a folder, read off the engine thread once, kept in an LRU on the device.
+
+An adapter id names `<dir>/<id>/final.pt` (the reference's layout), `<dir>/<id>.safetensors` or
+`<dir>/<id>/*.safetensors`, looked for in KESTREL_ADAPTER_DIR, then in the reference's own cache
+(`<HF hub cache>/md_variants`). Where neither has it and MOONDREAM_API_KEY is set, it is downloaded from the
+Moondream API into the first of those folders, as the reference does. Requests in flight pin their adapter:
+only adapters no request holds are evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import urllib.request
+from collections import OrderedDict
+from pathlib import Path
+
+from ..errors import EngineOverloaded, InvalidRequest
+from ..model.config import TextConfig
+from ..model.lora import AdapterError, LoraAdapter, build_adapter, read_adapter_tensors
+
+log = logging.getLogger("kestrel.adapters")
+
+
+def reference_cache_dir() -> Path:
+    """Where the reference keeps downloaded variants: <HF hub cache>/md_variants."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]) / "md_variants"
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub" / "md_variants"
+    return Path("~/.cache/huggingface/hub").expanduser() / "md_variants"
+
+
+def adapter_files(folder: Path, adapter_id: str) -> list[Path]:
+    """The files of adapter_id in folder, or [] when it is not there."""
+    pt = folder / adapter_id / "final.pt"
+    if pt.is_file():
+        return [pt]
+    single = folder / f"{adapter_id}.safetensors"
+    if single.is_file():
+        return [single]
+    return sorted((folder / adapter_id).glob("*.safetensors")) if (folder / adapter_id).is_dir() else []
+
+
+def download_adapter(adapter_id: str, folder: Path) -> Path:
+    """The reference's download from the Moondream API (needs MOONDREAM_API_KEY and network)."""
+    endpoint = os.environ.get("MOONDREAM_ENDPOINT", "https://api.moondream.ai")
+    headers = {"User-Agent": "kestrel-triton", "X-Moondream-Auth": os.environ["MOONDREAM_API_KEY"]}
+    dest = folder / adapter_id / "final.pt"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_suffix(".part")
+    request = urllib.request.Request(f"{endpoint}/v1/variants/{adapter_id}/download", headers=headers)
+    with urllib.request.urlopen(request, timeout=300) as response, open(partial, "wb") as f:
+        shutil.copyfileobj(response, f)
+    partial.rename(dest)
+    return dest
+
+
+class AdapterRegistry:
+    def __init__(self, folder: str, max_loaded: int, max_rank: int, config: TextConfig, device, dtype, executor):
+        self.folders = ([Path(folder)] if folder else []) + [reference_cache_dir()]
+        self.max_loaded, self.max_rank = max_loaded, max_rank
+        self.config, self.device, self.dtype = config, device, dtype
+        self._executor = executor
+        self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
+        self._pins: dict[str, int] = {}
+        self._loading: dict[str, asyncio.Future] = {}
+        self.loads = 0
+
+    @property
+    def pinned(self) -> int:
+        """Requests holding an adapter: 0 once every request has ended."""
+        return sum(self._pins.values())
+
+    def loaded(self) -> list[str]:
+        return list(self._loaded)
+
+    async def acquire(self, adapter_id: str) -> LoraAdapter:
+        """The adapter, loaded (once however many requests ask at the same time) and pinned. On the engine loop."""
+        while adapter_id not in self._loaded:
+            loading = self._loading.get(adapter_id)
+            if loading is None:
+                loading = self._loading[adapter_id] = asyncio.ensure_future(self._load_and_insert(adapter_id))
+                loading.add_done_callback(lambda f: f.cancelled() or f.exception())  # (seen, if all waiters left)
+            await asyncio.shield(loading)  # a cancelled request leaves the others' load be; its error is theirs
+        self._loaded.move_to_end(adapter_id)
+        self._pins[adapter_id] = self._pins.get(adapter_id, 0) + 1
+        return self._loaded[adapter_id]
+
+    async def _load_and_insert(self, adapter_id: str) -> None:
+        try:
+            adapter = await asyncio.get_running_loop().run_in_executor(self._executor, self._load, adapter_id)
+            self._insert(adapter)
+        finally:
+            self._loading.pop(adapter_id, None)
+
+    def release(self, adapter: LoraAdapter) -> None:
+        self._pins[adapter.name] -= 1
+        if not self._pins[adapter.name]:
+            del self._pins[adapter.name]
+
+    def _insert(self, adapter: LoraAdapter) -> None:
+        while len(self._loaded) >= self.max_loaded:
+            idle = next((name for name in self._loaded if name not in self._pins), None)
+            if idle is None:
+                raise EngineOverloaded(f"all {self.max_loaded} adapter slots (KESTREL_MAX_ADAPTERS) are held by "
+                                       "requests in flight; retry later")
+            del self._loaded[idle]
+        self.loads += 1
+        adapter.uid = self.loads
+        self._loaded[adapter.name] = adapter
+
+    def _find(self, adapter_id: str) -> list[Path]:
+        for folder in self.folders:
+            files = adapter_files(folder, adapter_id)
+            if files:
+                return files
+        if os.environ.get("MOONDREAM_API_KEY"):
+            try:
+                return [download_adapter(adapter_id, self.folders[0])]
+            except Exception as e:
+                raise InvalidRequest(f"adapter {adapter_id!r}: not found locally and its download failed "
+                                     f"({type(e).__name__}: {e})") from None
+        where = ", ".join(str(f) for f in self.folders)
+        raise InvalidRequest(f"adapter {adapter_id!r} not found (looked for <id>/final.pt, <id>.safetensors and "
+                             f"<id>/*.safetensors in {where}; KESTREL_ADAPTER_DIR sets the first)")
+
+    def _load(self, adapter_id: str) -> LoraAdapter:
+        """Off the engine thread: find, read, check and move to the device."""
+        files = self._find(adapter_id)
+        try:
+            adapter = build_adapter(adapter_id, read_adapter_tensors(files), self.config, self.max_rank,
+                                    self.dtype, self.device)
+        except AdapterError as e:
+            raise InvalidRequest(f"adapter {adapter_id!r} ({files[0].parent}): {e}") from None
+        log.info("loaded adapter %s: rank %d, %.1f MB on %s", adapter_id, adapter.rank, adapter.nbytes / 1e6,
+                 self.device)
+        return adapter
