@@ -34,6 +34,7 @@ from kestrel_backend.model import vision  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
+from kestrel_backend.parity import result_matches, submit_case  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention  # noqa: E402
 from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
@@ -271,43 +272,27 @@ def engine_golden_check() -> dict:
     MANY_ROWS sequences: past 640 positions its attention is split over the context), the same 32 again (their
     image prefixes now from the prefix cache: a prefill step of several sequences after cached positions), then
     each case alone (one-sequence steps take the GEMV kernels, launched with PDL; the
-    image cases prefill after their cached prefix in a graph)."""
+    image cases prefill after their cached prefix in a graph). The cases with adapters decode in the LoRA
+    graphs, beside rows without."""
     fixture = ROOT / "tests" / "fixtures" / "md2-tiny"
     cases = [c for c in json.loads((fixture / "cases.json").read_text())["cases"]
              if c["kind"] in ("query", "caption", "point", "detect")]
     engine = InferenceEngine.create(RuntimeConfig(model_path=str(fixture), device="cuda", dtype="float32",
-                                                  max_batch_size=32))
+                                                  max_batch_size=32, adapter_dir=str(fixture / "adapters")))
     try:
-        def submit(c):
-            image = (fixture / c["image"]).read_bytes() if c["image"] else None
-            if c["kind"] == "query":
-                return engine.submit_tokens("query", image, c["question_ids"], {"temperature": 0, "max_tokens": 24},
-                                            reasoning=c.get("reasoning", False))
-            if c["kind"] == "caption":
-                return engine.submit_tokens("caption", image, c["prompt_ids"], {"temperature": 0, "max_tokens": 24})
-            return engine.submit_tokens(c["kind"], image, c["object_ids"], {"max_objects": 5})
-
         async def run():
             batch = (cases * 3)[:32]
-            return batch, await asyncio.gather(*[submit(c) for c in batch])
+            return batch, await asyncio.gather(*[submit_case(engine, fixture, c) for c in batch])
 
         batch, results = asyncio.run(run())
         again, results_again = asyncio.run(run())
         batch, results = batch + again, results + results_again
 
         async def one_at_a_time():  # decode steps of one sequence: the GEMV kernels, PDL
-            return [await submit(c) for c in cases]
+            return [await submit_case(engine, fixture, c) for c in cases]
 
         batch, results = batch + cases, results + asyncio.run(one_at_a_time())
-        ok = 0
-        tok = engine.model.tokenizer
-        for c, r in zip(batch, results):
-            if c["kind"] in ("query", "caption"):
-                ok += r.output["answer" if c["kind"] == "query" else "caption"] == tok.decode(c["tokens"])
-            else:
-                key = "points" if c["kind"] == "point" else "objects"
-                ok += len(r.output[key]) == len(c[key]) and all(
-                    abs(o[k] - min(1.0, max(0.0, g[k]))) <= 1e-4 for o, g in zip(r.output[key], c[key]) for k in g)
+        ok = sum(result_matches(engine, c, r) for c, r in zip(batch, results))
         stats = engine.stats()
         return {"engine_fp32_golden_equal": f"{ok}/{len(batch)}", "pages_free_after": engine.no_request_holds_pages(),
                 "prefix_hits": stats["prefix_hits"], "decode_steps_launched_ahead": dict(engine.scheduler.steps_ahead)}

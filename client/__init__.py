@@ -38,7 +38,8 @@ def _bool_input(name: str, value: bool) -> grpcclient.InferInput:
 
 def build_inputs(skill: str, image: bytes | None = None, question: str | None = None, object: str | None = None,
                  length: str | None = None, stream: bool = False, reasoning: bool = False,
-                 settings: dict | None = None) -> list[grpcclient.InferInput]:
+                 settings: dict | None = None, spatial_refs=None) -> list[grpcclient.InferInput]:
+    """spatial_refs (query): points (x, y) or boxes (x_min, y_min, x_max, y_max) in [0, 1], all of one kind."""
     inputs = [_bytes_input("SKILL", skill.encode())]
     for name, value in (("IMAGE", image), ("QUESTION", question), ("OBJECT", object), ("LENGTH", length)):
         if value is not None:
@@ -49,6 +50,11 @@ def build_inputs(skill: str, image: bytes | None = None, question: str | None = 
         inputs.append(_bool_input("REASONING", True))
     if settings is not None:
         inputs.append(_bytes_input("SETTINGS", json.dumps(settings).encode()))
+    if spatial_refs:
+        refs = np.asarray(spatial_refs, dtype=np.float32)
+        t = grpcclient.InferInput("SPATIAL_REFS", list(refs.shape), "FP32")
+        t.set_data_from_numpy(refs)
+        inputs.append(t)
     return inputs
 
 
@@ -116,8 +122,10 @@ class MoondreamClient:
             raise MoondreamError(f"expected one response, got {len(bodies)}")
         return bodies[0]
 
-    def query(self, question: str, image: bytes | None = None, reasoning: bool = False, settings: dict | None = None) -> dict:
-        return self._one("query", image=image, question=question, reasoning=reasoning, settings=settings)
+    def query(self, question: str, image: bytes | None = None, reasoning: bool = False, settings: dict | None = None,
+              spatial_refs=None) -> dict:
+        return self._one("query", image=image, question=question, reasoning=reasoning, settings=settings,
+                         spatial_refs=spatial_refs)
 
     def caption(self, image: bytes, length: str = "normal", settings: dict | None = None) -> dict:
         return self._one("caption", image=image, length=length, settings=settings)

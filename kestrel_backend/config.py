@@ -38,7 +38,7 @@ class RuntimeConfig:
     chaos_fail_after_steps: int = 0  # chaos testing: every step after this many fails (0: off)
     adapter_dir: str = ""  # LoRA adapters: <id>/final.pt, <id>.safetensors or <id>/*.safetensors
     max_adapters: int = 32  # adapters kept loaded on the device (LRU)
-    max_adapter_rank: int = 64
+    max_adapter_rank: int = 32  # the device pool holds KESTREL_MAX_ADAPTERS slots of this rank
 
     ENV = {
         "model_path": "KESTREL_MODEL_PATH", "model": "KESTREL_MODEL", "revision": "KESTREL_REVISION",

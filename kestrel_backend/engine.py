@@ -79,7 +79,9 @@ class InferenceEngine:
                                         model.config.text, model.device, model.dtype, self._decoders)
         self._admitting = 0
         self.loop = asyncio.new_event_loop()
-        decoder = make_decoder(model, self.kv, config.max_batch_size, self.max_context)
+        if config.adapter_dir:  # adapters expected: their device pool (and its decode graphs) made now
+            self.adapters.ensure_pool()
+        decoder = make_decoder(model, self.kv, config.max_batch_size, self.max_context, self.adapters)
         if decoder is not None:
             decoder.warmup()  # capture every batch-size bucket now, not under the first requests
         prefill_graphs = make_prefill_graphs(model, self.kv, self.max_context, config.max_batch_size)

@@ -140,6 +140,35 @@ class Checker:
         return not bad, f"{len(current)} tensors, {len(bad)} differ" + (f" (first: {bad[0]})" if bad else "")
 
 
+def submit_case(engine, folder: Path, case: dict):
+    """A golden text or region case through an InferenceEngine (its adapter, adapters/<id>/final.pt, by id: the
+    engine's KESTREL_ADAPTER_DIR must be the folder's adapters/): -> the coroutine of its EngineResult."""
+    image = (folder / case["image"]).read_bytes() if case["image"] else None
+    kind = case["kind"]
+    adapter = {"adapter": Path(case["adapter"]).parent.name} if case.get("adapter") else {}
+    text = {"temperature": 0, "max_tokens": case.get("max_tokens"), **adapter}
+    if kind == "query":
+        return engine.submit_tokens("query", image, case["question_ids"], text, reasoning=case.get("reasoning", False),
+                                    spatial_refs=case.get("spatial_refs"))
+    if kind == "caption":
+        return engine.submit_tokens("caption", image, case["prompt_ids"], text)
+    return engine.submit_tokens(kind, image, case["object_ids"], {"max_objects": case["max_objects"], **adapter})
+
+
+def result_matches(engine, case: dict, result) -> bool:
+    """An engine's result against the case's golden tokens (decoded) or coordinates (clamped to [0, 1])."""
+    tok = engine.model.tokenizer
+    if case["kind"] in ("query", "caption"):
+        same = result.output["answer" if case["kind"] == "query" else "caption"] == tok.decode(case["tokens"])
+        if case.get("reasoning"):
+            same = same and result.output["reasoning"]["text"] == tok.decode(case["reasoning_tokens"])
+        return same
+    key = "points" if case["kind"] == "point" else "objects"
+    got = result.output[key]
+    return len(got) == len(case[key]) and all(abs(o[k] - min(1.0, max(0.0, g[k]))) <= COORD_TOL
+                                              for o, g in zip(got, case[key]) for k in g)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:

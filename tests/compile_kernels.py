@@ -19,6 +19,7 @@ from kestrel_backend.model.config import TextConfig, VisionConfig
 from kestrel_backend.model.layer_norm_cuda import shifted_layer_norm
 from kestrel_backend.model.rope_cuda import rope_qk_inplace
 from kestrel_backend.runtime import decode_kernels as dk
+from kestrel_backend.runtime import lora_kernels as lk
 from kestrel_backend.runtime.prefill_attention import prefill_attention
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
@@ -78,6 +79,16 @@ def launch_everything() -> None:
                     dk.norm_linear_attention(x, ln, ln, wq, bq, wf, bf, cos, cos, cache, cache, tables, lens, lens,
                                              page, torch.zeros(dk.one_kernel_counters(h, 1), dtype=torch.int32), splits)
             dk.greedy_tokens(dk.greedy_keys(m, "cpu"), host_out=torch.zeros(m, dtype=torch.int32))
+            slots, ranks = torch.zeros(m, dtype=torch.int32), torch.zeros(9, dtype=torch.int32)
+            for r in (8, 32, 64):  # LoRA pools of these rank capacities
+                v_h, v_g = torch.zeros(m, 3 * r), torch.zeros(m, r)
+                lk.lora_shrink(x, torch.zeros(9, 3 * r, cfg.dim, **f), slots, ranks, v_h, groups=3)
+                g = torch.zeros(m, cfg.ff_dim, **f)
+                lk.lora_shrink(g, torch.zeros(9, r, cfg.ff_dim, **f), slots, ranks, v_g, groups=1)
+                lk.lora_expand_in(torch.zeros(m, 3 * cfg.dim, **f), g, v_h, torch.zeros(9, 3 * cfg.dim, r, **f),
+                                  torch.zeros(9, cfg.ff_dim, r, **f), slots, ranks)
+                lk.lora_expand_out(x, v_h, v_g, torch.zeros(9, cfg.dim, r, **f), torch.zeros(9, cfg.dim, r, **f),
+                                   slots, ranks)
             dk.embed_rows(torch.zeros(m, dtype=torch.int32), torch.zeros(16, cfg.dim, **f), x,
                           torch.zeros(m, dtype=torch.int32))
             rope_qk_inplace(torch.zeros(m, 3 * cfg.dim, **f), cos, cos, 2 * h, d)  # (prefill)

@@ -101,6 +101,6 @@ class TritonProcess:
 def triton_server(tmp_path_factory):
     """One server per test run for the functional tests."""
     server = TritonProcess(tmp_path_factory.mktemp("triton"), KESTREL_MAX_QUEUE="64",
-                           HF_TOKEN="hf_secret_token_must_not_be_logged")
+                           HF_TOKEN="hf_secret_token_must_not_be_logged", KESTREL_ADAPTER_DIR=str(TINY / "adapters"))
     yield server
     server.stop()

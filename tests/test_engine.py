@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from kestrel_backend import parity
 from kestrel_backend.config import RuntimeConfig
 from kestrel_backend.engine import EngineError, EngineOverloaded, InferenceEngine, InvalidRequest, RequestCancelled
 from kestrel_backend.runtime.image_cache import image_key
@@ -28,36 +29,15 @@ def golden(tiny_dir):
     return [c for c in cases if c["kind"] in ("query", "caption", "point", "detect")]
 
 
-def _submit_case(engine, tiny_dir, case):
-    """A golden case through the engine: its adapter (adapters/<id>/final.pt -> id) and spatial refs too."""
-    image = (tiny_dir / case["image"]).read_bytes() if case["image"] else None
-    kind = case["kind"]
-    adapter = {"adapter": case["adapter"].split("/")[1]} if case.get("adapter") else {}
-    text = {"temperature": 0, "max_tokens": case.get("max_tokens"), **adapter}
-    if kind == "query":
-        return engine.submit_tokens("query", image, case["question_ids"], text, reasoning=case.get("reasoning", False),
-                                    spatial_refs=case.get("spatial_refs"))
-    if kind == "caption":
-        return engine.submit_tokens("caption", image, case["prompt_ids"], text)
-    return engine.submit_tokens(kind, image, case["object_ids"], {"max_objects": case["max_objects"], **adapter})
+def _submit_case(engine, folder, case):
+    return parity.submit_case(engine, folder, case)
 
 
 def _check_against_golden(engine, case, result):
-    tok = engine.model.tokenizer
+    assert parity.result_matches(engine, case, result), case["name"]
+    expected_out = len(case.get("tokens", [])) + len(case.get("reasoning_tokens", []))
     if case["kind"] in ("query", "caption"):
-        key = "answer" if case["kind"] == "query" else "caption"
-        assert result.output[key] == tok.decode(case["tokens"]), case["name"]
-        expected_out = len(case["tokens"]) + len(case.get("reasoning_tokens", []))
         assert result.metrics["output_tokens"] == expected_out
-        if case.get("reasoning"):
-            assert result.output["reasoning"]["text"] == tok.decode(case["reasoning_tokens"])
-    else:
-        key = "points" if case["kind"] == "point" else "objects"
-        got = result.output[key]
-        assert len(got) == len(case[key]), case["name"]
-        for o, r in zip(got, case[key]):
-            for k in r:
-                assert abs(o[k] - min(1.0, max(0.0, r[k]))) <= 1e-4, (case["name"], k)
 
 
 def test_batched_equals_alone_equals_golden(engine, tiny_dir, golden):

@@ -298,11 +298,13 @@ def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc
 
 # one sequence: the attention inside the norm + qkv/fc1 kernel (split over the context, or not); two: the
 # GEMV kernels with the attention a kernel of its own; three: tensor cores for norm + qkv/fc1
-@pytest.mark.parametrize("n_seqs, splits", [(1, None), (1, 1), (2, None), (3, None)])
-def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs, splits):
+@pytest.mark.parametrize("n_seqs, splits, adapters", [(1, None, False), (1, 1, False), (2, None, False),
+                                                      (3, None, False), (1, None, True), (3, None, True)])
+def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n_seqs, splits, adapters):
     """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch
     step, after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens:
-    the interpreter runs every program in Python."""
+    the interpreter runs every program in Python. With adapters: rows of adapters r8, none and r4 (from a
+    LoraPool of rank 16 slots) against the torch step's per-row deltas."""
     import dataclasses
 
     from kestrel_backend.model.moondream import Moondream
@@ -333,7 +335,18 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs, spl
     torch_cache.table_tensors = cache.table_tensors
     step = TorchPagedAttention(torch_cache)
     step.plan([SeqSlice(i, i, i + 1, int(p), 0, p.reshape(1)) for i, p in enumerate(positions)])
-    hidden_ref = model.forward(x, positions, step)
+    lora, rows = None, None
+    if adapters:
+        from kestrel_backend.model.lora import LoraRows, build_adapter, read_adapter_tensors
+        from kestrel_backend.runtime.lora_pool import LoraPool
+
+        pool = LoraPool(cfg, 3, 16, "cpu", torch.float32)
+        placed = [pool.place(build_adapter(name, read_adapter_tensors([tiny_dir / "adapters" / name / "final.pt"]),
+                                           cfg, 16, torch.float32, "cpu")) for name in ("r4", "r8")]
+        per_row = [placed[1], None, placed[0]][:n_seqs]
+        rows = (pool, torch.tensor([a.slot if a else 0 for a in per_row], dtype=torch.int32))
+        lora = LoraRows.of(per_row, [1] * n_seqs)
+    hidden_ref = model.forward(x, positions, step, lora)
     logits_ref = model.logits(hidden_ref)
 
     tables = torch.full((n_seqs, 8), cache.scratch_page, dtype=torch.int32)
@@ -346,8 +359,8 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, n_seqs, spl
                          model.rope[positions, :, 1].contiguous(), banned)
     logits, greedy = torch.empty(n_seqs, 512), torch.full((n_seqs,), -7, dtype=torch.int32)
     greedy_host = torch.full((n_seqs,), -7, dtype=torch.int32)
-    hidden = fused_decode_step(model, x, cache, inputs, logits, splits, greedy, greedy_host)
-    if n_seqs <= dk.GEMV_MAX_ROWS:
+    hidden = fused_decode_step(model, x, cache, inputs, logits, splits, greedy, greedy_host, lora=rows)
+    if n_seqs <= dk.GEMV_MAX_ROWS and not adapters:
         assert logits[0, banned[0, 1]] == float("-inf")
         logits_ref[0, banned[0, 1]] = float("-inf")
         assert greedy.tolist() == greedy_host.tolist() == logits_ref.argmax(-1).tolist()

@@ -1,6 +1,7 @@
 """The product as users run it: a real tritonserver with our model repository, driven over gRPC."""
 
 import asyncio
+import json
 import re
 import threading
 import time
@@ -33,7 +34,8 @@ def image(tiny_dir):
 @pytest.fixture(scope="module")
 def direct(tiny_dir):
     """The same engine in-process: the server must give exactly its answers."""
-    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32"))
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               adapter_dir=str(tiny_dir / "adapters")))
     yield lambda coro_fn: asyncio.run(coro_fn(eng))
     eng.shutdown()
 
@@ -157,6 +159,7 @@ def _jpeg():
 
 def _bad_requests(image):
     b = lambda name, v: _tensor(name, np.array([v], dtype=np.object_), "BYTES")
+    refs = lambda rows: _tensor("SPATIAL_REFS", np.array(rows, np.float32), "FP32")
     skill = lambda s: b("SKILL", s.encode())
     return {
         "unknown skill": ([skill("dance"), b("IMAGE", image)], r"SKILL must be one of"),
@@ -187,6 +190,19 @@ def _bad_requests(image):
         "question longer than the context": ([skill("query"), b("QUESTION", ("word " * 3000).encode())], r"QUESTION is too long"),
         "wrong type SKILL": ([_tensor("SKILL", np.array([1], dtype=np.int32), "INT32")], r"SKILL|data-type|datatype"),
         "wrong shape QUESTION": ([skill("query"), _tensor("QUESTION", np.array([b"a", b"b"], dtype=np.object_), "BYTES")], r"QUESTION|shape"),
+        "SPATIAL_REFS rows of 3": ([skill("query"), b("IMAGE", image), b("QUESTION", b"hi"), refs([[0.1, 0.2, 0.3]])],
+                                   r"SPATIAL_REFS must have shape \[N, 2\] \(points\) or \[N, 4\]"),
+        "SPATIAL_REFS outside [0, 1]": ([skill("query"), b("IMAGE", image), b("QUESTION", b"hi"), refs([[0.5, 1.5]])],
+                                        r"SPATIAL_REFS values must be finite and within \[0, 1\]"),
+        "SPATIAL_REFS for caption": ([skill("caption"), b("IMAGE", image), refs([[0.5, 0.5]])], r"only taken by the query"),
+        "SPATIAL_REFS without IMAGE": ([skill("query"), b("QUESTION", b"hi"), refs([[0.5, 0.5]])], r"need an IMAGE"),
+        "TEMPERATURE and SETTINGS.temperature": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b'{"temperature": 0}'),
+                                                  _tensor("TEMPERATURE", np.array([0.5], np.float32), "FP32")],
+                                                 r"TEMPERATURE and SETTINGS.temperature both given"),
+        "MAX_TOKENS out of range": ([skill("query"), b("QUESTION", b"hi"), _tensor("MAX_TOKENS", np.array([0], np.int32), "INT32")],
+                                    r"max_tokens must be between 1"),
+        "unknown adapter": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b'{"adapter": "nope@1"}')],
+                            r"adapter 'nope@1' not found"),
     }
 
 
@@ -264,3 +280,91 @@ def test_cli_and_seed_client(triton_server, tiny_dir):
     bad = subprocess.run([sys.executable, "-m", "client", "caption", "--url", triton_server["grpc"], "--image", "README.md"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "IMAGE is not a decodable" in bad.stderr
+
+
+def _kestrel_inputs(skill, image, question=None, obj=None, temperature=None, top_p=None, max_tokens=None,
+                    max_objects=None, spatial_refs=None, stream=False):
+    """Exactly the tensors a client written for Kestrel's own Triton backend sends."""
+    b = lambda name, v: _tensor(name, np.array([v], dtype=np.object_), "BYTES")
+    inputs = [b("SKILL", skill.encode()), b("IMAGE", image), _tensor("STREAM", np.array([stream]), "BOOL")]
+    if question is not None:
+        inputs.append(b("QUESTION", question.encode()))
+    if obj is not None:
+        inputs.append(b("OBJECT", obj.encode()))
+    for name, value, dtype in (("TEMPERATURE", temperature, np.float32), ("TOP_P", top_p, np.float32),
+                               ("MAX_TOKENS", max_tokens, np.int32), ("MAX_OBJECTS", max_objects, np.int32)):
+        if value is not None:
+            inputs.append(_tensor(name, np.array([value], dtype), "FP32" if dtype == np.float32 else "INT32"))
+    if spatial_refs is not None:
+        inputs.append(_tensor("SPATIAL_REFS", np.array(spatial_refs, np.float32), "FP32"))
+    return inputs
+
+
+def _kestrel_call(url, inputs):
+    bodies, error = _raw(url, inputs)
+    return [json.loads(b) for b in bodies], error
+
+
+def test_a_kestrel_client_gets_the_answers_settings_give(triton_server, client, image):
+    """A client using Kestrel's tensor set (TEMPERATURE, TOP_P, MAX_TOKENS, MAX_OBJECTS, SPATIAL_REFS)
+    gets the same answers as through SETTINGS and our client."""
+    url = triton_server["grpc"]
+    points = [[0.25, 0.5], [0.75, 0.125]]
+    bodies, error = _kestrel_call(url, _kestrel_inputs("query", image, "What is this?", temperature=0.0, top_p=0.9, max_tokens=6,
+                                              spatial_refs=points))
+    assert error is None
+    want = client.query("What is this?", image, settings={"temperature": 0, "top_p": 0.9, "max_tokens": 6},
+                        spatial_refs=points)
+    assert bodies[-1]["answer"] == want["answer"]
+    bodies, error = _kestrel_call(url, _kestrel_inputs("query", image, "What is this?", temperature=0.0, max_tokens=6,
+                                              stream=True))
+    assert error is None and bodies[-1]["completed"]
+    assert "".join(b["chunk"] for b in bodies) == bodies[-1]["answer"] == client.query(
+        "What is this?", image, settings=GREEDY | {"max_tokens": 6})["answer"]
+    bodies, error = _kestrel_call(url, _kestrel_inputs("detect", image, obj="cat", max_objects=2))
+    assert error is None and bodies[-1]["objects"] == client.detect(image, "cat", settings={"max_objects": 2})["objects"]
+    bodies, error = _kestrel_call(url, _kestrel_inputs("caption", image, temperature=0.0, max_tokens=5))
+    assert error is None and bodies[-1]["caption"] == client.caption(image, settings=GREEDY | {"max_tokens": 5})["caption"]
+
+
+def test_spatial_refs_equal_the_engine_and_change_the_answer(client, tiny_dir, direct):
+    image = (tiny_dir / "images" / "medium.png").read_bytes()
+    boxes = [[0.1, 0.2, 0.6, 0.9]]
+    got = client.query("What is here?", image, settings=GREEDY, spatial_refs=boxes)
+    want = direct(lambda e: e.query(image, "What is here?", settings=GREEDY, spatial_refs=boxes))
+    assert got["answer"] == want.output["answer"]
+    assert got["metrics"]["input_tokens"] == client.query("What is here?", image, settings=GREEDY)["metrics"]["input_tokens"] + 3
+    assert got["answer"] != client.query("What is here?", image, settings=GREEDY)["answer"]
+
+
+def test_two_adapters_and_none_in_flight_equal_each_alone(triton_server, image, direct):
+    """Requests of adapters r8 and r4 and of none, every skill, all in flight at once (one batch), answer
+    as each does alone in the engine; the metrics count requests per adapter; no adapter stays pinned."""
+    before = metrics_text(triton_server)
+    jobs = []
+    for adapter in ("r8", "r4", None):
+        extra = {"adapter": adapter} if adapter else {}
+        jobs += [("query", dict(question="What is in the picture?", settings=GREEDY | extra)),
+                 ("caption", dict(length="short", settings=GREEDY | extra)),
+                 ("point", dict(object="cat", settings={"max_objects": 3} | extra)),
+                 ("detect", dict(object="cat", settings={"max_objects": 3} | extra))]
+
+    async def together():
+        c = AsyncMoondreamClient(triton_server["grpc"], timeout=120)
+        return await asyncio.gather(*[getattr(c, skill)(image=image, **kw) for skill, kw in jobs])
+
+    results = asyncio.run(together())
+    outputs = {"query": "answer", "caption": "caption", "point": "points", "detect": "objects"}
+    for (skill, kw), got in zip(jobs, results):
+        args = {"question": kw.get("question"), "length": kw.get("length"), "object": kw.get("object")}
+        call = {"query": lambda e: e.query(image, args["question"], settings=kw["settings"]),
+                "caption": lambda e: e.caption(image, args["length"], settings=kw["settings"]),
+                "point": lambda e: e.point(image, args["object"], settings=kw["settings"]),
+                "detect": lambda e: e.detect(image, args["object"], settings=kw["settings"])}[skill]
+        assert got[outputs[skill]] == direct(call).output[outputs[skill]], (skill, kw["settings"])
+    assert results[0]["answer"] != results[8]["answer"]  # (r8's answer is not the base model's)
+    text = idle_metrics(triton_server)
+    for adapter in ("r8", "r4"):
+        grown = metric_sum(text, "kestrel_adapter_requests_total", adapter=adapter) - \
+            metric_sum(before, "kestrel_adapter_requests_total", adapter=adapter)
+        assert grown == 4, adapter

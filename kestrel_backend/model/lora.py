@@ -32,6 +32,7 @@ class LoraAdapter:
     rank: int
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # per layer: target -> (A [r, in], B [out, r])
     uid: int = 0  # which load of this name (the registry's count): keys what was computed with it
+    slot: int = 0  # its slot in the device's LoraPool (0: not in one)
 
     @property
     def nbytes(self) -> int:

@@ -4,7 +4,8 @@ An adapter id names `<dir>/<id>/final.pt` (the reference's layout), `<dir>/<id>.
 `<dir>/<id>/*.safetensors`, looked for in KESTREL_ADAPTER_DIR, then in the reference's own cache
 (`<HF hub cache>/md_variants`). Where neither has it and MOONDREAM_API_KEY is set, it is downloaded from the
 Moondream API into the first of those folders, as the reference does. Requests in flight pin their adapter:
-only adapters no request holds are evicted.
+only adapters no request holds are evicted. On a GPU the adapters live in a LoraPool, where the decode step's
+kernels find each row's adapter by its slot.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import urllib.request
 from collections import OrderedDict
 from pathlib import Path
 
+import torch
+
 from ..errors import EngineOverloaded, InvalidRequest
 from ..model.config import TextConfig
 from ..model.lora import AdapterError, LoraAdapter, build_adapter, read_adapter_tensors
+from .lora_pool import LoraPool
 
 log = logging.getLogger("kestrel.adapters")
 
@@ -68,6 +72,14 @@ class AdapterRegistry:
         self._pins: dict[str, int] = {}
         self._loading: dict[str, asyncio.Future] = {}
         self.loads = 0
+        self.pool: LoraPool | None = None  # on a GPU, made by ensure_pool (at start, or at the first adapter)
+
+    def ensure_pool(self) -> LoraPool | None:
+        if self.pool is None and torch.device(self.device).type == "cuda":
+            self.pool = LoraPool(self.config, self.max_loaded, self.max_rank, self.device, self.dtype)
+            log.info("adapter pool: %d slots of rank up to %d, %.1f MB each", self.max_loaded, self.pool.rank_cap,
+                     self.pool.nbytes_per_slot / 1e6)
+        return self.pool
 
     @property
     def pinned(self) -> int:
@@ -102,15 +114,23 @@ class AdapterRegistry:
             del self._pins[adapter.name]
 
     def _insert(self, adapter: LoraAdapter) -> None:
+        """On the engine loop (the device copy stays in its stream order): evict, then place on the device."""
         while len(self._loaded) >= self.max_loaded:
             idle = next((name for name in self._loaded if name not in self._pins), None)
             if idle is None:
                 raise EngineOverloaded(f"all {self.max_loaded} adapter slots (KESTREL_MAX_ADAPTERS) are held by "
                                        "requests in flight; retry later")
-            del self._loaded[idle]
+            evicted = self._loaded.pop(idle)
+            if self.pool is not None:
+                self.pool.release(evicted)
         self.loads += 1
         adapter.uid = self.loads
+        pool = self.ensure_pool()
+        if pool is not None:
+            adapter = pool.place(adapter)
         self._loaded[adapter.name] = adapter
+        log.info("loaded adapter %s: rank %d, %.1f MB, on %s%s", adapter.name, adapter.rank, adapter.nbytes / 1e6,
+                 self.device, f" (slot {adapter.slot})" if pool is not None else "")
 
     def _find(self, adapter_id: str) -> list[Path]:
         for folder in self.folders:
@@ -128,13 +148,11 @@ class AdapterRegistry:
                              f"<id>/*.safetensors in {where}; KESTREL_ADAPTER_DIR sets the first)")
 
     def _load(self, adapter_id: str) -> LoraAdapter:
-        """Off the engine thread: find, read, check and move to the device."""
+        """Off the engine thread: find, read and check (in host memory, in the serving dtype)."""
         files = self._find(adapter_id)
+        device = "cpu" if torch.device(self.device).type == "cuda" else self.device  # (_insert places it)
         try:
-            adapter = build_adapter(adapter_id, read_adapter_tensors(files), self.config, self.max_rank,
-                                    self.dtype, self.device)
+            return build_adapter(adapter_id, read_adapter_tensors(files), self.config, self.max_rank, self.dtype,
+                                 device)
         except AdapterError as e:
             raise InvalidRequest(f"adapter {adapter_id!r} ({files[0].parent}): {e}") from None
-        log.info("loaded adapter %s: rank %d, %.1f MB on %s", adapter_id, adapter.rank, adapter.nbytes / 1e6,
-                 self.device)
-        return adapter

@@ -19,6 +19,7 @@ from .cuda_graphs import CapturedGraphs
 from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, greedy_tokens, linear2_residual, norm_linear,
                              norm_linear_attention, one_kernel_counters, rotary_paged_attention)
 from .kv_cache import PagedKVCache
+from .lora_kernels import lora_expand_in, lora_expand_out, lora_shrink
 
 
 ATTENTION_IN_NORM_LINEAR = True  # the one-kernel form of norm + qkv/fc1 + attention for one sequence (benchmarks
@@ -30,7 +31,7 @@ ONE_KERNEL_SPLITS = 8  # its context splits for long contexts (H100, interleaved
 def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, inputs: "StepTensors",
                       logits_out: torch.Tensor, context_splits: int | None = None,
                       greedy_out: torch.Tensor | None = None, greedy_host: torch.Tensor | None = None,
-                      hidden_out: torch.Tensor | None = None) -> torch.Tensor:
+                      hidden_out: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """One decode step (one new token per sequence) with the fused kernels, then the final norm and LM
     head. Writes float32 logits into logits_out; returns the hidden states (written into hidden_out if
     given). With greedy_out, in the GEMV form the LM head also bans each row's inputs.banned tokens and
@@ -39,10 +40,13 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     Up to GEMV_MAX_ROWS sequences every weight is streamed by our kernels (for one sequence the
     attention runs inside the norm + qkv/fc1 kernel); past that, the norm + qkv/fc1 and the LM head go
     to cuBLAS's tensor-core GEMMs. context_splits: programs per sequence and head in the attention
-    (default: decode_kernels.context_splits; ONE_KERNEL_SPLITS for the one-kernel form)."""
+    (default: decode_kernels.context_splits; ONE_KERNEL_SPLITS for the one-kernel form).
+
+    lora: (LoraPool, each row's adapter slot [B] int32): each row adds its adapter's deltas (lora_kernels);
+    qkv and fc1 then come from cuBLAS, whatever the row count."""
     cfg, w, page = model.config.text, model.weights.text, cache.page_size
-    gemv = x.shape[0] <= GEMV_MAX_ROWS
-    one_kernel = x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR
+    gemv = x.shape[0] <= GEMV_MAX_ROWS and lora is None
+    one_kernel = gemv and x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR
     sync, best = _step_counters(len(w.blocks), cfg.n_heads, x.shape[0], one_kernel, gemv and greedy_out is not None,
                                 x.device)
     for i, block in enumerate(w.blocks):
@@ -55,6 +59,13 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
             if gemv:
                 qkv, g = norm_linear(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
                                      block.mlp.fc1.weight, block.mlp.fc1.bias, gelu2=True)
+            elif lora is not None:
+                h = layer_norm(x, block.ln)
+                qkv, g = linear(h, block.qkv), linear(h, block.mlp.fc1)  # (fc1's GELU after its delta)
+                pool, rows = lora
+                v_h = lora_shrink(h, pool.a_h[i], rows, pool.ranks, h.new_empty(h.shape[0], pool.a_h.shape[2],
+                                                                                 dtype=torch.float32), groups=3)
+                lora_expand_in(qkv, g, v_h, pool.b["qkv"][i], pool.b["fc1"][i], rows, pool.ranks)
             else:
                 h = layer_norm(x, block.ln)
                 qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
@@ -63,6 +74,10 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
         last = i == len(w.blocks) - 1  # (straight into hidden_out: no copy node between it and the LM head)
         x = linear2_residual(out, block.proj.weight, g, block.mlp.fc2.weight, x, block.out_bias,
                              out=hidden_out if last else None)
+        if lora is not None:
+            v_g = lora_shrink(g, pool.a_g[i], rows, pool.ranks, g.new_empty(g.shape[0], pool.a_g.shape[2],
+                                                                            dtype=torch.float32), groups=1)
+            lora_expand_out(x, v_h, v_g, pool.b["proj"][i], pool.b["fc2"][i], rows, pool.ranks)
     if gemv:
         norm_linear(x, w.post_ln.weight, w.post_ln.bias, w.lm_head.weight, w.lm_head.bias, out1=logits_out,
                     banned=inputs.banned, best=best)
@@ -116,27 +131,27 @@ class StepInputs:
         self.cache, self.n, self.max_pages = cache, n, max_pages
         self.rope = rope.cpu().numpy()  # [max_context, rope_dim / 2, 2] float32
         half = self.rope.shape[1]
-        # tables, lengths, slots, cos, sin, banned tokens, input tokens
-        self._sizes = [n * max_pages, n, n, n * half, n * half, n * MAX_BANNED, n]
+        # tables, lengths, slots, cos, sin, banned tokens, input tokens, adapter slots
+        self._sizes = [n * max_pages, n, n, n * half, n * half, n * MAX_BANNED, n, n]
         cuda = torch.device(device).type == "cuda"  # (the CPU form is for the tests)
         # two pinned buffers: one step's may be filled while the GPU has yet to copy the other's
         self.host = [torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self.device = torch.zeros_like(self.host[0], device=device)
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._staged, self._staged_for = np.zeros(sum(self._sizes), dtype=np.int32), None
-        tables, self._lens, self._slots, cos, sin, banned, _ = self._fields(self._staged)
+        tables, self._lens, self._slots, cos, sin, banned, _, _ = self._fields(self._staged)
         banned[:] = -1  # (no bans unless upload sets some)
         self._tables = tables.reshape(n, max_pages)
         self._cos, self._sin = cos.view(np.float32).reshape(n, half), sin.view(np.float32).reshape(n, half)
         self._host = [self._fields(h.numpy()) for h in self.host]  # views of each pinned buffer's fields
 
     def _fields(self, buffer: np.ndarray) -> list[np.ndarray]:
-        """Views of one packed buffer: tables, lengths, slots, cos, sin, banned tokens, input tokens."""
+        """Views of one packed buffer: tables, lengths, slots, cos, sin, banned tokens, input tokens, adapter slots."""
         return np.split(buffer, np.cumsum(self._sizes)[:-1])
 
     def rows(self, b: int) -> StepTensors:
         """Device views for the first b sequences (static addresses: graph inputs)."""
-        tables, lens, slots, cos, sin, banned, _ = self.device.split(self._sizes)
+        tables, lens, slots, cos, sin, banned, _, _ = self.device.split(self._sizes)
         return StepTensors(tables.view(self.n, self.max_pages)[:b], lens[:b], slots[:b],
                            cos.view(torch.float32).view(self.n, -1)[:b], sin.view(torch.float32).view(self.n, -1)[:b],
                            banned.view(self.n, MAX_BANNED)[:b])
@@ -144,6 +159,10 @@ class StepInputs:
     def tokens(self, b: int) -> torch.Tensor:
         """Device view of the first b rows' input tokens (-1 where the input is an embedding)."""
         return self.device.split(self._sizes)[6][:b]
+
+    def adapter_slots(self, b: int) -> torch.Tensor:
+        """Device view of the first b rows' LoraPool slots (0: no adapter)."""
+        return self.device.split(self._sizes)[7][:b]
 
     def prepare(self, seq_ids: list[int], positions: list[int], bucket: int) -> None:
         """Stage the rows of a step over these sequences at these positions; padding rows up to the
@@ -164,15 +183,16 @@ class StepInputs:
         self._staged_for = (list(seq_ids), list(positions), bucket)
 
     def upload(self, tokens: list[int], seq_ids: list[int], positions: list[int], bucket: int,
-               banned: list[tuple[int, ...]] = (), buffer: int = 0) -> None:
-        """This step's rows (staged now unless prepare() did), input tokens and banned tokens (at most
-        MAX_BANNED per sequence) into pinned buffer 0 or 1."""
+               banned: list[tuple[int, ...]] = (), buffer: int = 0, adapter_slots: list[int] = ()) -> None:
+        """This step's rows (staged now unless prepare() did), input tokens, banned tokens (at most
+        MAX_BANNED per sequence) and adapter slots into pinned buffer 0 or 1."""
         self.prepare(seq_ids, positions, bucket)
         if self._copied[buffer] is not None:
             self._copied[buffer].synchronize()  # the last step from this buffer has copied it
         fields = self._host[buffer]
         np.copyto(self.host[buffer].numpy(), self._staged)  # (banned rows: -1, from the staging array)
         fields[6][:len(tokens)] = tokens
+        fields[7][:len(adapter_slots)] = adapter_slots
         bans = fields[5].reshape(self.n, MAX_BANNED)
         for row, tokens_out in enumerate(banned):
             bans[row, :len(tokens_out)] = tokens_out
@@ -222,10 +242,12 @@ class CudaGraphDecoder:
     is split over the context. They also come in two parities that
     alternate from step to step (inputs from pinned buffer p, greedy tokens into greedy[p] and pinned
     host buffer p): a step can then be launched while the one before is still running, taking that
-    step's tokens as its inputs on the GPU (FED_BACK) before the host has read them."""
+    step's tokens as its inputs on the GPU (FED_BACK) before the host has read them. Steps where some row has
+    a LoRA adapter replay graphs of their own (the `lora` form of fused_decode_step, one parity), captured
+    once the adapters' pool exists."""
 
-    def __init__(self, model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int):
-        self.model, self.cache = model, cache
+    def __init__(self, model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int, adapters=None):
+        self.model, self.cache, self.adapters = model, cache, adapters  # adapters: the AdapterRegistry
         dev, dim = model.device, model.config.text.dim
         self.buckets = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch} | {max_batch})
         self.inputs = StepInputs(max_batch, cache.pages_for(max_context), cache, model.rope, dev)
@@ -234,12 +256,12 @@ class CudaGraphDecoder:
         self.hidden = torch.zeros(max_batch, dim, device=dev, dtype=model.dtype)
         self.greedy = torch.zeros(2, max_batch, device=dev, dtype=torch.int32)
         self._greedy_host = [HostTokens(max_batch) for _ in range(2)]
-        self.graphs = CapturedGraphs()  # by (bucket, long context, parity)
+        self.graphs = CapturedGraphs()  # by (bucket, long context, parity, with adapters)
         self._parity = 1
 
     FED_BACK = FED_BACK  # (for the scheduler, which does not import the kernels)
 
-    def _step(self, b: int, long_context: bool, parity: int) -> None:
+    def _step(self, b: int, long_context: bool, parity: int, lora: bool = False) -> None:
         self.inputs.copy_to_device(parity)
         previous = self.greedy[1 - parity, :b]  # the tokens of the step before, for FED_BACK inputs
         x = embed_rows(self.inputs.tokens(b), self.model.weights.text.wte, self.given[:b], previous)
@@ -248,11 +270,13 @@ class CudaGraphDecoder:
         else:
             splits = MANY_ROWS_SPLITS if long_context else None
         fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,
-                          self.greedy[parity, :b], self._greedy_host[parity].pinned[:b], self.hidden[:b])
+                          self.greedy[parity, :b], self._greedy_host[parity].pinned[:b], self.hidden[:b],
+                          (self.adapters.pool, self.inputs.adapter_slots(b)) if lora else None)
 
-    def _graph(self, b: int, long_context: bool, parity: int) -> torch.cuda.CUDAGraph:
+    def _graph(self, b: int, long_context: bool, parity: int, lora: bool = False) -> torch.cuda.CUDAGraph:
         # (the warm-up steps write to the scratch page)
-        return self.graphs.get_or_capture((b, long_context, parity), lambda: self._step(b, long_context, parity))
+        return self.graphs.get_or_capture((b, long_context, parity, lora),
+                                          lambda: self._step(b, long_context, parity, lora))
 
     @staticmethod
     def _variants(bucket: int) -> list[bool]:
@@ -265,11 +289,14 @@ class CudaGraphDecoder:
     def warmup(self) -> None:
         for buffer in (0, 1):  # every row padding: all writes go to the scratch page
             self.inputs.upload([], [], [], max(self.buckets), buffer=buffer)
+        with_adapters = self.adapters is not None and self.adapters.pool is not None
         with torch.inference_mode():
             for b in self.buckets:
                 for long_context in self._variants(b):
                     for parity in self._parities(b):
                         self._graph(b, long_context, parity)
+                    if with_adapters:
+                        self._graph(b, long_context, 0, lora=True)
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -279,7 +306,8 @@ class CudaGraphDecoder:
         return (0, 1) if bucket <= GEMV_MAX_ROWS else (0,)
 
     @torch.inference_mode()
-    def run(self, inputs: list, seq_ids: list[int], positions: list[int], banned: list[tuple[int, ...]] | None = None):
+    def run(self, inputs: list, seq_ids: list[int], positions: list[int], banned: list[tuple[int, ...]] | None = None,
+            adapter_slots: list[int] | None = None):
         """One step. inputs: per sequence a token id, FED_BACK (the token the previous step chose for
         that row, which must have been a step of these sequences), or an input embedding [dim] (a region
         head's), at these positions; banned: per sequence the tokens its greedy choice may not take.
@@ -287,21 +315,24 @@ class CudaGraphDecoder:
         static buffers, not yet computed when this returns (the GPU runs the step), and overwritten by
         the next step; greedy, each row's argmax with its bans applied (which are -inf in logits then),
         is on its way to the host ahead of any later step. It comes with the GEMV form of the step when
-        every row bans at most MAX_BANNED."""
+        every row bans at most MAX_BANNED and no row has an adapter (adapter_slots: each row's LoraPool slot,
+        0 for none)."""
         n = len(seq_ids)
         bucket = self._bucket(n)
         long_context = self._variants(bucket)[-1] and max(positions) >= self._long_context(bucket)
-        parity = 1 - self._parity if bucket <= GEMV_MAX_ROWS else 0
+        lora = bool(adapter_slots) and any(adapter_slots)
+        parity = 1 - self._parity if bucket <= GEMV_MAX_ROWS and not lora else 0
         tokens = [t if isinstance(t, int) else -1 for t in inputs]
         for i, given in enumerate(inputs):
             if not isinstance(given, int):
                 self.given[i].copy_(given.reshape(-1))
         fits = banned is not None and all(len(b) <= MAX_BANNED for b in banned)
-        self.inputs.upload(tokens, seq_ids, positions, bucket, banned if fits else (), buffer=parity)
-        self._graph(bucket, long_context, parity).replay()
+        self.inputs.upload(tokens, seq_ids, positions, bucket, banned if fits else (), buffer=parity,
+                           adapter_slots=adapter_slots if lora else ())
+        self._graph(bucket, long_context, parity, lora).replay()
         self.inputs.step_launched(parity)
         greedy = None
-        if bucket <= GEMV_MAX_ROWS:
+        if bucket <= GEMV_MAX_ROWS and not lora:
             self._parity = parity
             if fits:
                 greedy = self._greedy_host[parity].after_step(n)

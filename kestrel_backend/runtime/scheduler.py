@@ -63,13 +63,13 @@ def make_crop_encoder(model: Moondream):
     return CropEncoderGraphs(model)
 
 
-def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int):
+def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int, adapters=None):
     """CUDA graphs of the fused Triton decode kernels on a GPU; None (torch attention) elsewhere."""
     if model.device.type != "cuda":
         return None
     from .cuda_decode import CudaGraphDecoder
 
-    return CudaGraphDecoder(model, cache, max_batch, max_context)
+    return CudaGraphDecoder(model, cache, max_batch, max_context, adapters)
 
 
 class Scheduler:
@@ -231,9 +231,7 @@ class Scheduler:
     def _decode(self, seqs: list[Sequence], launch_ahead: bool = False):
         """-> (logits, hidden, greedy tokens when the step chose them already, or None). launch_ahead:
         the next step will decode the same sequences, if none finishes."""
-        if self.decoder is None or any(s.adapter is not None for s in seqs):  # (the graphs have no adapters yet)
-            self.steps_ahead["dropped"] += self._ahead is not None
-            self._ahead = None
+        if self.decoder is None:
             return *self._forward_flat(seqs, prefill=False), None
         ids, positions = [s.id for s in seqs], [s.length for s in seqs]
         choices = [s.generation.choice() for s in seqs]
@@ -245,7 +243,8 @@ class Scheduler:
             self.steps_ahead["used"] += 1
         else:
             self.steps_ahead["dropped"] += ahead is not None  # (its writes land in slots rewritten now)
-            logits, hidden, greedy = self.decoder.run([s.next_input for s in seqs], ids, positions, banned)
+            slots = [s.adapter.slot if s.adapter is not None else 0 for s in seqs]
+            logits, hidden, greedy = self.decoder.run([s.next_input for s in seqs], ids, positions, banned, slots)
         for seq in seqs:
             seq.length += 1
         positions = [s.length for s in seqs]

@@ -89,8 +89,10 @@ class TritonAdapter:
         finally:
             self._inflight.pop(asyncio.current_task(), None)
             m = result.metrics if result else {}
+            settings = wire.settings or {}
             self.outbox.call(self.metrics.request_done, wire.skill, outcome, time.perf_counter() - t0,
-                             m["ttft_ms"] / 1000 if m else None, m.get("output_tokens", 0))
+                             m["ttft_ms"] / 1000 if m else None, m.get("output_tokens", 0),
+                             settings.get("adapter") or settings.get("variant"))
 
     async def _call(self, wire: WireRequest, stream: bool):
         e = self.engine

@@ -12,6 +12,9 @@ class TritonMetrics:
         self._tokens = MF("kestrel_output_tokens_total", "Output tokens (or objects) by skill", MF.COUNTER)
         self._ttft = MF("kestrel_time_to_first_token_seconds", "Time to first output", MF.HISTOGRAM)
         self._latency = MF("kestrel_request_latency_seconds", "End-to-end request latency", MF.HISTOGRAM)
+        self._adapter_requests = MF("kestrel_adapter_requests_total",
+                                    "Requests that named a LoRA adapter, by adapter and outcome (invalid ones left out: "
+                                    "any text could be an id)", MF.COUNTER)
         gauges = MF("kestrel_engine_state", "Engine state: queue_depth, running, kv_pages_used (by requests), "
                     "kv_pages_cached (image prefixes kept for later requests), kv_pages_total", MF.GAUGE)
         self._gauges = {name: gauges.Metric(labels={"state": name})
@@ -19,7 +22,8 @@ class TritonMetrics:
         prefix_hits = MF("kestrel_prefix_cache_hits_total",
                          "Requests that started from their image prefix's KV pages in the prefix cache", MF.COUNTER)
         self._prefix_hits, self._prefix_hits_counted = prefix_hits.Metric(labels={}), 0
-        self._families = (self._requests, self._tokens, self._ttft, self._latency, gauges, prefix_hits)
+        self._families = (self._requests, self._tokens, self._ttft, self._latency, self._adapter_requests, gauges,
+                          prefix_hits)
         self._metrics: dict = {}
 
     def _metric(self, family, labels: dict, **kw):
@@ -29,8 +33,10 @@ class TritonMetrics:
         return self._metrics[key]
 
     def request_done(self, skill: str, outcome: str, latency_s: float, ttft_s: float | None = None,
-                     output_tokens: int = 0) -> None:
+                     output_tokens: int = 0, adapter: str | None = None) -> None:
         self._metric(self._requests, {"skill": skill, "outcome": outcome}).increment(1)
+        if adapter is not None and outcome != "invalid":
+            self._metric(self._adapter_requests, {"adapter": adapter, "outcome": outcome}).increment(1)
         self._metric(self._latency, {"skill": skill}, buckets=LATENCY_BUCKETS).observe(latency_s)
         if ttft_s is not None:
             self._metric(self._ttft, {"skill": skill}, buckets=LATENCY_BUCKETS).observe(ttft_s)
