@@ -344,7 +344,12 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
         placed = [pool.place(build_adapter(name, read_adapter_tensors([tiny_dir / "adapters" / name / "final.pt"]),
                                            cfg, 16, torch.float32, "cpu")) for name in ("r4", "r8")]
         per_row = [placed[1], None, placed[0]][:n_seqs]
-        rows = (pool, torch.tensor([a.slot if a else 0 for a in per_row], dtype=torch.int32))
+        from kestrel_backend.runtime.lora_kernels import segments
+
+        order, starts, seg_slots = segments([a.slot if a else 0 for a in per_row])
+        as_int = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        rows = (pool, (as_int(order), as_int(starts + [starts[-1]] * (n_seqs + 1 - len(starts))),
+                       as_int(seg_slots + [0] * (n_seqs - len(seg_slots)))))
         lora = LoraRows.of(per_row, [1] * n_seqs)
     hidden_ref = model.forward(x, positions, step, lora)
     logits_ref = model.logits(hidden_ref)
@@ -463,3 +468,22 @@ def test_every_kernel_compiles_for_hopper_and_ampere():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count("ok   sm90") >= 20 and "_norm_linear_attention_kernel" in run.stdout
 
+
+
+def test_step_inputs_pack_the_rows_in_segments_of_one_adapter(tiny_model):
+    """Rows sorted by adapter slot, where each slot's run starts (empty segments after the last), its slot;
+    a step without adapters leaves every segment empty."""
+    from kestrel_backend.runtime.cuda_decode import StepInputs
+    from kestrel_backend.runtime.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(tiny_model.config.text, 32, 4, "cpu", torch.float32)
+    for sid in range(4):
+        cache.allocate(sid, 8)
+    inputs = StepInputs(4, 4, cache, tiny_model.rope, "cpu")
+    inputs.upload([1, 2, 3, 4], [0, 1, 2, 3], [1, 1, 1, 1], 4, adapter_slots=[3, 0, 3, 1])
+    inputs.copy_to_device()
+    rows, starts, slots = inputs.segments(4)
+    assert rows.tolist() == [1, 3, 0, 2] and starts.tolist() == [0, 1, 2, 4, 4] and slots.tolist()[:3] == [0, 1, 3]
+    inputs.upload([1, 2, 3, 4], [0, 1, 2, 3], [1, 1, 1, 1], 4, buffer=1)
+    inputs.copy_to_device(1)
+    assert inputs.segments(4)[1].tolist() == [0] * 5

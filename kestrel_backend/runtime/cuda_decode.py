@@ -19,7 +19,7 @@ from .cuda_graphs import CapturedGraphs
 from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, greedy_tokens, linear2_residual, norm_linear,
                              norm_linear_attention, one_kernel_counters, rotary_paged_attention)
 from .kv_cache import PagedKVCache
-from .lora_kernels import lora_expand_in, lora_expand_out, lora_shrink
+from .lora_kernels import lora_expand_in, lora_expand_out, lora_shrink, segments
 
 
 ATTENTION_IN_NORM_LINEAR = True  # the one-kernel form of norm + qkv/fc1 + attention for one sequence (benchmarks
@@ -42,8 +42,8 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     to cuBLAS's tensor-core GEMMs. context_splits: programs per sequence and head in the attention
     (default: decode_kernels.context_splits; ONE_KERNEL_SPLITS for the one-kernel form).
 
-    lora: (LoraPool, each row's adapter slot [B] int32): each row adds its adapter's deltas (lora_kernels);
-    qkv and fc1 then come from cuBLAS, whatever the row count."""
+    lora: (LoraPool, the step's rows in segments of one adapter: StepInputs.segments): each row adds its
+    adapter's deltas (lora_kernels); qkv and fc1 then come from cuBLAS, whatever the row count."""
     cfg, w, page = model.config.text, model.weights.text, cache.page_size
     gemv = x.shape[0] <= GEMV_MAX_ROWS and lora is None
     one_kernel = gemv and x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR
@@ -62,10 +62,10 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
             elif lora is not None:
                 h = layer_norm(x, block.ln)
                 qkv, g = linear(h, block.qkv), linear(h, block.mlp.fc1)  # (fc1's GELU after its delta)
-                pool, rows = lora
-                v_h = lora_shrink(h, pool.a_h[i], rows, pool.ranks, h.new_empty(h.shape[0], pool.a_h.shape[2],
+                pool, segs = lora
+                v_h = lora_shrink(h, pool.a_h[i], segs, pool.ranks, h.new_empty(h.shape[0], pool.a_h.shape[2],
                                                                                  dtype=torch.float32), groups=3)
-                lora_expand_in(qkv, g, v_h, pool.b["qkv"][i], pool.b["fc1"][i], rows, pool.ranks)
+                lora_expand_in(qkv, g, v_h, pool.b["qkv"][i], pool.b["fc1"][i], segs, pool.ranks)
             else:
                 h = layer_norm(x, block.ln)
                 qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
@@ -75,9 +75,9 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
         x = linear2_residual(out, block.proj.weight, g, block.mlp.fc2.weight, x, block.out_bias,
                              out=hidden_out if last else None)
         if lora is not None:
-            v_g = lora_shrink(g, pool.a_g[i], rows, pool.ranks, g.new_empty(g.shape[0], pool.a_g.shape[2],
+            v_g = lora_shrink(g, pool.a_g[i], segs, pool.ranks, g.new_empty(g.shape[0], pool.a_g.shape[2],
                                                                             dtype=torch.float32), groups=1)
-            lora_expand_out(x, v_h, v_g, pool.b["proj"][i], pool.b["fc2"][i], rows, pool.ranks)
+            lora_expand_out(x, v_h, v_g, pool.b["proj"][i], pool.b["fc2"][i], segs, pool.ranks)
     if gemv:
         norm_linear(x, w.post_ln.weight, w.post_ln.bias, w.lm_head.weight, w.lm_head.bias, out1=logits_out,
                     banned=inputs.banned, best=best)
@@ -131,27 +131,28 @@ class StepInputs:
         self.cache, self.n, self.max_pages = cache, n, max_pages
         self.rope = rope.cpu().numpy()  # [max_context, rope_dim / 2, 2] float32
         half = self.rope.shape[1]
-        # tables, lengths, slots, cos, sin, banned tokens, input tokens, adapter slots
-        self._sizes = [n * max_pages, n, n, n * half, n * half, n * MAX_BANNED, n, n]
+        # tables, lengths, slots, cos, sin, banned tokens, input tokens, and the rows in segments of one adapter:
+        # rows sorted by adapter, where each segment starts (then the end), its adapter's LoraPool slot
+        self._sizes = [n * max_pages, n, n, n * half, n * half, n * MAX_BANNED, n, n, n + 1, n]
         cuda = torch.device(device).type == "cuda"  # (the CPU form is for the tests)
         # two pinned buffers: one step's may be filled while the GPU has yet to copy the other's
         self.host = [torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self.device = torch.zeros_like(self.host[0], device=device)
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._staged, self._staged_for = np.zeros(sum(self._sizes), dtype=np.int32), None
-        tables, self._lens, self._slots, cos, sin, banned, _, _ = self._fields(self._staged)
+        tables, self._lens, self._slots, cos, sin, banned = self._fields(self._staged)[:6]
         banned[:] = -1  # (no bans unless upload sets some)
         self._tables = tables.reshape(n, max_pages)
         self._cos, self._sin = cos.view(np.float32).reshape(n, half), sin.view(np.float32).reshape(n, half)
         self._host = [self._fields(h.numpy()) for h in self.host]  # views of each pinned buffer's fields
 
     def _fields(self, buffer: np.ndarray) -> list[np.ndarray]:
-        """Views of one packed buffer: tables, lengths, slots, cos, sin, banned tokens, input tokens, adapter slots."""
+        """Views of one packed buffer: tables, lengths, slots, cos, sin, banned tokens, input tokens, segments."""
         return np.split(buffer, np.cumsum(self._sizes)[:-1])
 
     def rows(self, b: int) -> StepTensors:
         """Device views for the first b sequences (static addresses: graph inputs)."""
-        tables, lens, slots, cos, sin, banned, _, _ = self.device.split(self._sizes)
+        tables, lens, slots, cos, sin, banned = self.device.split(self._sizes)[:6]
         return StepTensors(tables.view(self.n, self.max_pages)[:b], lens[:b], slots[:b],
                            cos.view(torch.float32).view(self.n, -1)[:b], sin.view(torch.float32).view(self.n, -1)[:b],
                            banned.view(self.n, MAX_BANNED)[:b])
@@ -160,9 +161,10 @@ class StepInputs:
         """Device view of the first b rows' input tokens (-1 where the input is an embedding)."""
         return self.device.split(self._sizes)[6][:b]
 
-    def adapter_slots(self, b: int) -> torch.Tensor:
-        """Device view of the first b rows' LoraPool slots (0: no adapter)."""
-        return self.device.split(self._sizes)[7][:b]
+    def segments(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Device views of a step of b rows' segments: rows by adapter, segment starts (b + 1), their slots."""
+        rows, starts, slots = self.device.split(self._sizes)[7:]
+        return rows[:b], starts[:b + 1], slots[:b]
 
     def prepare(self, seq_ids: list[int], positions: list[int], bucket: int) -> None:
         """Stage the rows of a step over these sequences at these positions; padding rows up to the
@@ -185,14 +187,17 @@ class StepInputs:
     def upload(self, tokens: list[int], seq_ids: list[int], positions: list[int], bucket: int,
                banned: list[tuple[int, ...]] = (), buffer: int = 0, adapter_slots: list[int] = ()) -> None:
         """This step's rows (staged now unless prepare() did), input tokens, banned tokens (at most
-        MAX_BANNED per sequence) and adapter slots into pinned buffer 0 or 1."""
+        MAX_BANNED per sequence) and the rows' segments by adapter slot into pinned buffer 0 or 1."""
         self.prepare(seq_ids, positions, bucket)
         if self._copied[buffer] is not None:
             self._copied[buffer].synchronize()  # the last step from this buffer has copied it
         fields = self._host[buffer]
         np.copyto(self.host[buffer].numpy(), self._staged)  # (banned rows: -1, from the staging array)
         fields[6][:len(tokens)] = tokens
-        fields[7][:len(adapter_slots)] = adapter_slots
+        if adapter_slots:
+            rows, starts, slots = segments(adapter_slots)
+            fields[7][:len(rows)], fields[9][:len(slots)] = rows, slots
+            fields[8][:len(starts)], fields[8][len(starts):] = starts, starts[-1]  # (later segments: empty)
         bans = fields[5].reshape(self.n, MAX_BANNED)
         for row, tokens_out in enumerate(banned):
             bans[row, :len(tokens_out)] = tokens_out
@@ -271,7 +276,7 @@ class CudaGraphDecoder:
             splits = MANY_ROWS_SPLITS if long_context else None
         fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,
                           self.greedy[parity, :b], self._greedy_host[parity].pinned[:b], self.hidden[:b],
-                          (self.adapters.pool, self.inputs.adapter_slots(b)) if lora else None)
+                          (self.adapters.pool, self.inputs.segments(b)) if lora else None)
 
     def _graph(self, b: int, long_context: bool, parity: int, lora: bool = False) -> torch.cuda.CUDAGraph:
         # (the warm-up steps write to the scratch page)

@@ -1,7 +1,8 @@
 """Device memory for the loaded LoRA adapters, one slot each, laid out for the decode step's kernels.
 
 Per layer: A of qkv, proj and fc1 stacked (they read the same normed input) [slots, 3R, dim], A of fc2
-[slots, R, ff], and each target's B [slots, out, R]. R is the rank limit rounded up to a power of two; an
+[slots, R, ff], and each target's B [slots, out, R]. R is the rank limit rounded up to a power of two (16 at
+least); an
 adapter of rank r fills its slot's first r rows and columns and the kernels read no further (`ranks`). Slot 0
 is "no adapter". An adapter placed here is handed back as views of its slot, which the eager (prefill)
 path reads like any adapter's tensors.
@@ -21,7 +22,7 @@ IN_GROUP = ("qkv", "proj", "fc1")  # the targets whose A is stacked in a_h, in t
 
 class LoraPool:
     def __init__(self, config: TextConfig, slots: int, max_rank: int, device, dtype):
-        self.rank_cap = r = 1 << max(0, (max_rank - 1).bit_length())
+        self.rank_cap = r = max(16, 1 << max(0, (max_rank - 1).bit_length()))  # (16: the kernels' smallest dot)
         shapes = target_shapes(config)
         n, s = config.n_layers, slots + 1
 
