@@ -82,14 +82,12 @@ def launch_everything() -> None:
             i32 = dict(dtype=torch.int32)
             segs, ranks = (torch.zeros(m, **i32), torch.zeros(m + 1, **i32), torch.zeros(m, **i32)), torch.zeros(9, **i32)
             for r in (16, 32, 64):  # LoRA pools of these rank capacities
-                v_h, v_g = torch.zeros(m, 3 * r), torch.zeros(m, r)
-                lk.lora_shrink(x, torch.zeros(9, 3 * r, cfg.dim, **f), segs, ranks, v_h, groups=3)
-                g = torch.zeros(m, cfg.ff_dim, **f)
-                lk.lora_shrink(g, torch.zeros(9, r, cfg.ff_dim, **f), segs, ranks, v_g, groups=1)
-                lk.lora_expand_in(torch.zeros(m, 3 * cfg.dim, **f), g, v_h, torch.zeros(9, 3 * cfg.dim, r, **f),
-                                  torch.zeros(9, cfg.ff_dim, r, **f), segs, ranks)
-                lk.lora_expand_out(x, v_h, v_g, torch.zeros(9, cfg.dim, r, **f), torch.zeros(9, cfg.dim, r, **f),
-                                   segs, ranks)
+                v = torch.zeros(m, 4 * r)
+                lk.lora_shrink(x, torch.zeros(9, 3 * r, cfg.dim, **f), segs, ranks, v)
+                lk.lora_expand_in(torch.zeros(m, 3 * cfg.dim, **f), torch.zeros(m, cfg.ff_dim, **f), v,
+                                  torch.zeros(9, 3 * cfg.dim, r, **f), torch.zeros(9, cfg.ff_dim, r, **f),
+                                  torch.zeros(9, r, cfg.ff_dim, **f), segs, ranks)
+                lk.lora_expand_out(x, v, torch.zeros(9, cfg.dim, r, **f), torch.zeros(9, cfg.dim, r, **f), segs, ranks)
             dk.embed_rows(torch.zeros(m, dtype=torch.int32), torch.zeros(16, cfg.dim, **f), x,
                           torch.zeros(m, dtype=torch.int32))
             rope_qk_inplace(torch.zeros(m, 3 * cfg.dim, **f), cos, cos, 2 * h, d)  # (prefill)

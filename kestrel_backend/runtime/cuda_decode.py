@@ -49,6 +49,9 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     one_kernel = gemv and x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR
     sync, best = _step_counters(len(w.blocks), cfg.n_heads, x.shape[0], one_kernel, gemv and greedy_out is not None,
                                 x.device)
+    if lora is not None:  # every layer's shrunk values, summed atomically: zeroed once for the step
+        pool, segs = lora
+        shrunk = torch.zeros(len(w.blocks), x.shape[0], 4 * pool.rank_cap, device=x.device, dtype=torch.float32)
     for i, block in enumerate(w.blocks):
         if one_kernel:
             out, g = norm_linear_attention(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
@@ -62,10 +65,8 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
             elif lora is not None:
                 h = layer_norm(x, block.ln)
                 qkv, g = linear(h, block.qkv), linear(h, block.mlp.fc1)  # (fc1's GELU after its delta)
-                pool, segs = lora
-                v_h = lora_shrink(h, pool.a_h[i], segs, pool.ranks, h.new_empty(h.shape[0], pool.a_h.shape[2],
-                                                                                 dtype=torch.float32), groups=3)
-                lora_expand_in(qkv, g, v_h, pool.b["qkv"][i], pool.b["fc1"][i], segs, pool.ranks)
+                lora_shrink(h, pool.a_h[i], segs, pool.ranks, shrunk[i])
+                lora_expand_in(qkv, g, shrunk[i], pool.b["qkv"][i], pool.b["fc1"][i], pool.a_g[i], segs, pool.ranks)
             else:
                 h = layer_norm(x, block.ln)
                 qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
@@ -75,9 +76,7 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
         x = linear2_residual(out, block.proj.weight, g, block.mlp.fc2.weight, x, block.out_bias,
                              out=hidden_out if last else None)
         if lora is not None:
-            v_g = lora_shrink(g, pool.a_g[i], segs, pool.ranks, g.new_empty(g.shape[0], pool.a_g.shape[2],
-                                                                            dtype=torch.float32), groups=1)
-            lora_expand_out(x, v_h, v_g, pool.b["proj"][i], pool.b["fc2"][i], segs, pool.ranks)
+            lora_expand_out(x, shrunk[i], pool.b["proj"][i], pool.b["fc2"][i], segs, pool.ranks)
     if gemv:
         norm_linear(x, w.post_ln.weight, w.post_ln.bias, w.lm_head.weight, w.lm_head.bias, out1=logits_out,
                     banned=inputs.banned, best=best)

@@ -1,13 +1,15 @@
 """LoRA deltas inside the GPU decode step, rows of different adapters in one step (segmented, as Punica's SGMV):
-the host sorts the step's rows by adapter into segments (`segments`), and each program of a kernel takes one
-segment, reads that adapter's A or B tile once from the LoraPool and applies it to every row of the segment
-with tensor-core dots. Rows without an adapter form a segment of slot 0.
+the host sorts the step's rows by adapter into segments (`segments`), and for each segment a program reads its
+adapter's A or B tile once from the LoraPool and applies it to every row of the segment with tensor-core
+dots. Rows without an adapter form a segment of slot 0.
 
-Per layer four kernels: `lora_shrink` of the normed input through qkv's, proj's and fc1's A at once, an expand
-onto qkv and onto fc1's pre-activation (with the GELU as epilogue, so fc1 leaves cuBLAS without it; rows
-without an adapter get their GELU there too), `lora_shrink` of the MLP activation through fc2's A, and an
-expand of proj's and fc2's deltas onto the residual. Loads past a slot's own rank are masked off: a pool of
-rank R costs a rank-r adapter r's reads.
+Per layer three kernels, each program one block of columns (or of the input dim) looping over the step's
+segments, so no program idles on an empty one: `lora_shrink` of the normed input through qkv's, proj's and
+fc1's A at once; `lora_expand_in` onto qkv and onto fc1's pre-activation, with the GELU as epilogue (fc1 leaves
+cuBLAS without it; rows without an adapter get their GELU there too) and, from the activations it has just made,
+its share of fc2's shrink; `lora_expand_out` of proj's and fc2's deltas onto the residual. The shrunk values are
+summed atomically into one buffer per step (zeroed once). Loads past a slot's own rank are masked off: a pool
+of rank R costs a rank-r adapter r's reads.
 """
 
 from __future__ import annotations
@@ -40,48 +42,33 @@ def _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s):
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, x_stride, a_ptr, seg_rows_ptr, seg_start_ptr, seg_slot_ptr, ranks_ptr, v_ptr, v_stride,
-                        K: tl.constexpr, R: tl.constexpr, GROUPS: tl.constexpr, K_PER_PROGRAM: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """v[row, g * R + r] += sum over this program's share of k of A[slot, g * R + r, k] x[row, k] (v zeroed before;
-    the shares of k are summed atomically)."""
-    s, g, share = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
-    if end <= start or slot == 0:
-        return
-    offs_r = tl.arange(0, R)
-    r_mask = offs_r < rank
-    a_rows = a_ptr + slot.to(tl.int64) * (GROUPS * R * K) + (g * R + offs_r)[:, None] * K
-    for r0 in range(start, end, 16):
-        idx = r0 + tl.arange(0, 16)
-        m = idx < end
-        rows = tl.load(seg_rows_ptr + idx, mask=m, other=0)
-        acc = tl.zeros([16, R], tl.float32)
-        for k0 in range(share * K_PER_PROGRAM, (share + 1) * K_PER_PROGRAM, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * x_stride + offs_k[None, :], mask=m[:, None], other=0.0)
-            a = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None], other=0.0)
-            acc = tl.dot(x, tl.trans(a.to(x.dtype)), acc, input_precision=PRECISION)
-        tl.atomic_add(v_ptr + rows[:, None] * v_stride + g * R + offs_r[None, :], acc,
-                      mask=m[:, None] & r_mask[None, :])
+def _rows(seg_rows_ptr, r0, end):
+    idx = r0 + tl.arange(0, 16)
+    m = idx < end
+    return tl.load(seg_rows_ptr + idx, mask=m, other=0), m
 
 
 @triton.jit
-def _expand_rows(y_ptr, y_stride, v_ptr, v_stride, v_offset, b_tile, offs_n, n_mask, offs_r, r_mask, seg_rows_ptr,
-                 start, end, R: tl.constexpr, GELU: tl.constexpr, PRECISION: tl.constexpr):
-    """y[rows, block] (+)= v[rows, v_offset:+R] @ b_tile^T for the segment's rows (then GELU if asked)."""
-    for r0 in range(start, end, 16):
-        idx = r0 + tl.arange(0, 16)
-        m = idx < end
-        rows = tl.load(seg_rows_ptr + idx, mask=m, other=0)
-        ptrs = y_ptr + rows[:, None] * y_stride + offs_n[None, :]
-        y = tl.load(ptrs, mask=m[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + rows[:, None] * v_stride + v_offset + offs_r[None, :], mask=m[:, None] & r_mask[None, :],
-                    other=0.0)
-        y = tl.dot(v, tl.trans(b_tile), y, input_precision=PRECISION)
-        if GELU:
-            y = _gelu_tanh(y)
-        tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=m[:, None] & n_mask[None, :])
+def _lora_shrink_kernel(x_ptr, x_stride, a_ptr, seg_rows_ptr, seg_start_ptr, seg_slot_ptr, ranks_ptr, v_ptr, v_stride,
+                        SEGMENTS: tl.constexpr, K: tl.constexpr, R: tl.constexpr, GROUPS: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """v[row, g * R + r] += sum over this program's block of k of A[slot, g * R + r, k] x[row, k], for every
+    segment's rows (v zeroed before; the blocks of k are summed atomically)."""
+    kb, g = tl.program_id(0), tl.program_id(1)
+    offs_r = tl.arange(0, R)
+    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    for s in range(SEGMENTS):
+        start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
+        if (end > start) & (slot != 0):
+            r_mask = offs_r < rank
+            a = tl.load(a_ptr + slot.to(tl.int64) * (GROUPS * R * K) + (g * R + offs_r)[:, None] * K + offs_k[None, :],
+                        mask=r_mask[:, None], other=0.0)
+            for r0 in range(start, end, 16):
+                rows, m = _rows(seg_rows_ptr, r0, end)
+                x = tl.load(x_ptr + rows[:, None] * x_stride + offs_k[None, :], mask=m[:, None], other=0.0)
+                acc = tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=PRECISION)
+                tl.atomic_add(v_ptr + rows[:, None] * v_stride + g * R + offs_r[None, :], acc,
+                              mask=m[:, None] & r_mask[None, :])
 
 
 @triton.jit
@@ -91,94 +78,111 @@ def _b_tile(b_ptr, slot, offs_n, n_mask, offs_r, r_mask, N: tl.constexpr, R: tl.
 
 
 @triton.jit
-def _lora_expand_in_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, v_ptr, v_stride, b_qkv_ptr, b_fc1_ptr, seg_rows_ptr,
-                           seg_start_ptr, seg_slot_ptr, ranks_ptr, NQ: tl.constexpr, NF: tl.constexpr,
-                           R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """qkv += B_qkv v_qkv; f = gelu(f + B_fc1 v_fc1), segment by segment (slot 0's rows: the GELU alone).
-    Programs past qkv's column blocks take fc1's."""
-    s, pid = tl.program_id(0), tl.program_id(1)
-    start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
+def _lora_expand_in_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, v_ptr, v_stride, b_qkv_ptr, b_fc1_ptr, a_fc2_ptr,
+                           seg_rows_ptr, seg_start_ptr, seg_slot_ptr, ranks_ptr, SEGMENTS: tl.constexpr,
+                           NQ: tl.constexpr, NF: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """qkv += B_qkv v_qkv; f = gelu(f + B_fc1 v_fc1) (slot 0's rows: the GELU alone), and fc2's shrink of this
+    block of f: v_fc2 += A_fc2[:, block] f[block] (atomically). Programs past qkv's column blocks take fc1's."""
+    pid = tl.program_id(0)
     q_blocks: tl.constexpr = (NQ + BLOCK_N - 1) // BLOCK_N
-    if end <= start or (slot == 0 and pid < q_blocks):
-        return
+    in_fc1 = pid >= q_blocks
+    n_total = tl.where(in_fc1, NF, NQ)
+    offs_n = (pid - tl.where(in_fc1, q_blocks, 0)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_total
     offs_r = tl.arange(0, R)
-    r_mask = offs_r < rank  # (slot 0 has rank 0: no delta)
-    if pid < q_blocks:
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < NQ
-        tile = _b_tile(b_qkv_ptr, slot, offs_n, n_mask, offs_r, r_mask, NQ, R)
-        _expand_rows(qkv_ptr, qkv_stride, v_ptr, v_stride, 0, tile, offs_n, n_mask, offs_r, r_mask, seg_rows_ptr,
-                     start, end, R, False, PRECISION)
-    else:
-        offs_n = (pid - q_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < NF
-        tile = _b_tile(b_fc1_ptr, slot, offs_n, n_mask, offs_r, r_mask, NF, R)
-        _expand_rows(f_ptr, f_stride, v_ptr, v_stride, 2 * R, tile, offs_n, n_mask, offs_r, r_mask, seg_rows_ptr,
-                     start, end, R, True, PRECISION)
+    for s in range(SEGMENTS):
+        start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
+        if (end > start) & (in_fc1 | (slot != 0)):
+            r_mask = offs_r < rank  # (slot 0 has rank 0: no delta)
+            if in_fc1:
+                b = _b_tile(b_fc1_ptr, slot, offs_n, n_mask, offs_r, r_mask, NF, R)
+                a2 = tl.load(a_fc2_ptr + slot.to(tl.int64) * (R * NF) + offs_r[:, None] * NF + offs_n[None, :],
+                             mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+            else:
+                b = _b_tile(b_qkv_ptr, slot, offs_n, n_mask, offs_r, r_mask, NQ, R)
+                a2 = tl.zeros([R, BLOCK_N], tl.float32)
+            for r0 in range(start, end, 16):
+                rows, m = _rows(seg_rows_ptr, r0, end)
+                mask = m[:, None] & n_mask[None, :]
+                ptrs = tl.where(in_fc1, f_ptr + rows[:, None] * f_stride, qkv_ptr + rows[:, None] * qkv_stride)
+                ptrs += offs_n[None, :]
+                y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                v = tl.load(v_ptr + rows[:, None] * v_stride + tl.where(in_fc1, 2 * R, 0) + offs_r[None, :],
+                            mask=m[:, None] & r_mask[None, :], other=0.0)
+                y = tl.dot(v, tl.trans(b), y, input_precision=PRECISION)
+                if in_fc1:
+                    # (rounded as stored: fc2 and its shrink read the same activations)
+                    y = tl.where(mask, _gelu_tanh(y), 0.0).to(ptrs.dtype.element_ty).to(tl.float32)
+                    part = tl.dot(y, tl.trans(a2), input_precision=PRECISION)  # [16, R]
+                    tl.atomic_add(v_ptr + rows[:, None] * v_stride + 3 * R + offs_r[None, :], part,
+                                  mask=m[:, None] & r_mask[None, :])  # (none for slot 0: its rank is 0)
+                tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _lora_expand_out_kernel(x_ptr, x_stride, vh_ptr, vh_stride, vg_ptr, vg_stride, b_proj_ptr, b_fc2_ptr, seg_rows_ptr,
-                            seg_start_ptr, seg_slot_ptr, ranks_ptr, N: tl.constexpr, R: tl.constexpr,
+def _lora_expand_out_kernel(x_ptr, x_stride, v_ptr, v_stride, b_proj_ptr, b_fc2_ptr, seg_rows_ptr, seg_start_ptr,
+                            seg_slot_ptr, ranks_ptr, SEGMENTS: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """x += B_proj v_proj + B_fc2 v_fc2 (the residual after out-projection and fc2), segment by segment."""
-    s, pid = tl.program_id(0), tl.program_id(1)
-    start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
-    if end <= start or slot == 0:
-        return
-    offs_r = tl.arange(0, R)
-    r_mask = offs_r < rank
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    proj = _b_tile(b_proj_ptr, slot, offs_n, n_mask, offs_r, r_mask, N, R)
-    _expand_rows(x_ptr, x_stride, vh_ptr, vh_stride, R, proj, offs_n, n_mask, offs_r, r_mask, seg_rows_ptr,
-                 start, end, R, False, PRECISION)
-    fc2 = _b_tile(b_fc2_ptr, slot, offs_n, n_mask, offs_r, r_mask, N, R)
-    _expand_rows(x_ptr, x_stride, vg_ptr, vg_stride, 0, fc2, offs_n, n_mask, offs_r, r_mask, seg_rows_ptr,
-                 start, end, R, False, PRECISION)
+    offs_r = tl.arange(0, R)
+    for s in range(SEGMENTS):
+        start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
+        if (end > start) & (slot != 0):
+            r_mask = offs_r < rank
+            proj = _b_tile(b_proj_ptr, slot, offs_n, n_mask, offs_r, r_mask, N, R)
+            fc2 = _b_tile(b_fc2_ptr, slot, offs_n, n_mask, offs_r, r_mask, N, R)
+            for r0 in range(start, end, 16):
+                rows, m = _rows(seg_rows_ptr, r0, end)
+                mask = m[:, None] & n_mask[None, :]
+                ptrs = x_ptr + rows[:, None] * x_stride + offs_n[None, :]
+                y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                v_ptrs = v_ptr + rows[:, None] * v_stride + offs_r[None, :]
+                vr_mask = m[:, None] & r_mask[None, :]
+                y = tl.dot(tl.load(v_ptrs + R, mask=vr_mask, other=0.0), tl.trans(proj), y, input_precision=PRECISION)
+                y = tl.dot(tl.load(v_ptrs + 3 * R, mask=vr_mask, other=0.0), tl.trans(fc2), y,
+                           input_precision=PRECISION)
+                tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
 
 
+SHRINK_BLOCK_K = 128  # each program's block of the input dim
 EXPAND_BLOCK_N = 64
-SHRINK_BLOCK_K = 128
-SHRINK_K_PER_PROGRAM = 512  # each program's share of the input dim (more programs than segments x groups)
 
 
 def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, segs, ranks: torch.Tensor, out: torch.Tensor,
-                groups: int) -> torch.Tensor:
-    """x [B, K]; a [slots, groups * R, K]; segs (rows, starts, slots) of segments(); -> out [B, groups * R]
-    float32, zeroed here (rows of slot 0 stay zero)."""
-    r, k = a.shape[1] // groups, a.shape[2]
-    share = min(k, SHRINK_K_PER_PROGRAM)
-    assert x.shape[1] == k and k % share == 0 and share % SHRINK_BLOCK_K == 0 and out.shape[1] == groups * r
-    out.zero_()
+def lora_shrink(h: torch.Tensor, a_h: torch.Tensor, segs, ranks: torch.Tensor, v: torch.Tensor) -> None:
+    """v[:, :3R] += h @ A^T of qkv, proj and fc1 (a_h [slots, 3R, K]), each row through its segment's adapter.
+    v: [B, 4R] float32, zeroed by the caller; its last R columns are fc2's (lora_expand_in fills them)."""
+    r, k = a_h.shape[1] // 3, a_h.shape[2]
     rows, starts, slots = segs
-    _lora_shrink_kernel[(slots.shape[0], groups, k // share)](
-        x, x.stride(0), a, rows, starts, slots, ranks, out, out.stride(0), K=k, R=r, GROUPS=groups,
-        K_PER_PROGRAM=share, BLOCK_K=SHRINK_BLOCK_K, PRECISION=_precision(x), num_warps=4)
-    return out
+    assert h.shape[1] == k and k % SHRINK_BLOCK_K == 0 and v.shape[1] == 4 * r
+    _lora_shrink_kernel[(k // SHRINK_BLOCK_K, 3)](
+        h, h.stride(0), a_h, rows, starts, slots, ranks, v, v.stride(0), SEGMENTS=slots.shape[0], K=k, R=r, GROUPS=3,
+        BLOCK_K=SHRINK_BLOCK_K, PRECISION=_precision(h), num_warps=4)
 
 
 def lora_expand_in(qkv: torch.Tensor, f: torch.Tensor, v: torch.Tensor, b_qkv: torch.Tensor, b_fc1: torch.Tensor,
-                   segs, ranks: torch.Tensor) -> None:
-    """In place: qkv [B, NQ] += its deltas; f [B, NF] (fc1 before its GELU) = gelu(f + its deltas). v: the
-    [B, 3R] shrunk values of qkv, proj, fc1; b_*: [slots, N, R]."""
+                   a_fc2: torch.Tensor, segs, ranks: torch.Tensor) -> None:
+    """In place: qkv [B, NQ] += its deltas; f [B, NF] (fc1 before its GELU) = gelu(f + its deltas); v[:, 3R:]
+    += f @ A_fc2^T (a_fc2 [slots, R, NF]). b_*: [slots, N, R]."""
     nq, nf, r = b_qkv.shape[1], b_fc1.shape[1], b_qkv.shape[2]
     rows, starts, slots = segs
     blocks = triton.cdiv(nq, EXPAND_BLOCK_N) + triton.cdiv(nf, EXPAND_BLOCK_N)
-    _lora_expand_in_kernel[(slots.shape[0], blocks)](
-        qkv, qkv.stride(0), f, f.stride(0), v, v.stride(0), b_qkv, b_fc1, rows, starts, slots, ranks, NQ=nq, NF=nf,
-        R=r, BLOCK_N=EXPAND_BLOCK_N, PRECISION=_precision(qkv), num_warps=4)
+    _lora_expand_in_kernel[(blocks,)](
+        qkv, qkv.stride(0), f, f.stride(0), v, v.stride(0), b_qkv, b_fc1, a_fc2, rows, starts, slots, ranks,
+        SEGMENTS=slots.shape[0], NQ=nq, NF=nf, R=r, BLOCK_N=EXPAND_BLOCK_N, PRECISION=_precision(qkv), num_warps=4)
 
 
-def lora_expand_out(x: torch.Tensor, v_h: torch.Tensor, v_g: torch.Tensor, b_proj: torch.Tensor,
-                    b_fc2: torch.Tensor, segs, ranks: torch.Tensor) -> None:
-    """In place: x [B, N] += proj's deltas (from v_h's second group) + fc2's (from v_g)."""
+def lora_expand_out(x: torch.Tensor, v: torch.Tensor, b_proj: torch.Tensor, b_fc2: torch.Tensor, segs,
+                    ranks: torch.Tensor) -> None:
+    """In place: x [B, N] += proj's deltas (v's second R columns) + fc2's (its last R)."""
     n, r = b_proj.shape[1], b_proj.shape[2]
     rows, starts, slots = segs
-    _lora_expand_out_kernel[(slots.shape[0], triton.cdiv(n, EXPAND_BLOCK_N))](
-        x, x.stride(0), v_h, v_h.stride(0), v_g, v_g.stride(0), b_proj, b_fc2, rows, starts, slots, ranks, N=n, R=r,
-        BLOCK_N=EXPAND_BLOCK_N, PRECISION=_precision(x), num_warps=4)
+    _lora_expand_out_kernel[(triton.cdiv(n, EXPAND_BLOCK_N // 2),)](
+        x, x.stride(0), v, v.stride(0), b_proj, b_fc2, rows, starts, slots, ranks, SEGMENTS=slots.shape[0], N=n, R=r,
+        BLOCK_N=EXPAND_BLOCK_N // 2, PRECISION=_precision(x), num_warps=4)
