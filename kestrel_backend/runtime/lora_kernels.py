@@ -3,8 +3,8 @@ the host sorts the step's rows by adapter into segments (`segments`), and for ea
 adapter's A or B tile once from the LoraPool and applies it to every row of the segment with tensor-core
 dots. Rows without an adapter form a segment of slot 0.
 
-Per layer three kernels, each program one block of columns (or of the input dim) looping over the step's
-segments, so no program idles on an empty one: `lora_shrink` of the normed input through qkv's, proj's and
+Per layer three kernels, each program one segment and one block of columns (or of the input dim); programs of
+the segments a step leaves empty return at once: `lora_shrink` of the normed input through qkv's, proj's and
 fc1's A at once; `lora_expand_in` onto qkv and onto fc1's pre-activation, with the GELU as epilogue (fc1 leaves
 cuBLAS without it; rows without an adapter get their GELU there too) and, from the activations it has just made,
 its share of fc2's shrink; `lora_expand_out` of proj's and fc2's deltas onto the residual. The shrunk values are
@@ -50,25 +50,24 @@ def _rows(seg_rows_ptr, r0, end):
 
 @triton.jit
 def _lora_shrink_kernel(x_ptr, x_stride, a_ptr, seg_rows_ptr, seg_start_ptr, seg_slot_ptr, ranks_ptr, v_ptr, v_stride,
-                        SEGMENTS: tl.constexpr, K: tl.constexpr, R: tl.constexpr, GROUPS: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """v[row, g * R + r] += sum over this program's block of k of A[slot, g * R + r, k] x[row, k], for every
+                        K: tl.constexpr, R: tl.constexpr, GROUPS: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """v[row, g * R + r] += sum over this program's block of k of A[slot, g * R + r, k] x[row, k], for its
     segment's rows (v zeroed before; the blocks of k are summed atomically)."""
-    kb, g = tl.program_id(0), tl.program_id(1)
+    s, g, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
+    if (end <= start) | (slot == 0):
+        return
     offs_r = tl.arange(0, R)
+    r_mask = offs_r < rank
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    for s in range(SEGMENTS):
-        start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
-        if (end > start) & (slot != 0):
-            r_mask = offs_r < rank
-            a = tl.load(a_ptr + slot.to(tl.int64) * (GROUPS * R * K) + (g * R + offs_r)[:, None] * K + offs_k[None, :],
-                        mask=r_mask[:, None], other=0.0)
-            for r0 in range(start, end, 16):
-                rows, m = _rows(seg_rows_ptr, r0, end)
-                x = tl.load(x_ptr + rows[:, None] * x_stride + offs_k[None, :], mask=m[:, None], other=0.0)
-                acc = tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=PRECISION)
-                tl.atomic_add(v_ptr + rows[:, None] * v_stride + g * R + offs_r[None, :], acc,
-                              mask=m[:, None] & r_mask[None, :])
+    a = tl.load(a_ptr + slot.to(tl.int64) * (GROUPS * R * K) + (g * R + offs_r)[:, None] * K + offs_k[None, :],
+                mask=r_mask[:, None], other=0.0)
+    for r0 in range(start, end, 16):
+        rows, m = _rows(seg_rows_ptr, r0, end)
+        x = tl.load(x_ptr + rows[:, None] * x_stride + offs_k[None, :], mask=m[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=PRECISION)
+        tl.atomic_add(v_ptr + rows[:, None] * v_stride + g * R + offs_r[None, :], acc, mask=m[:, None] & r_mask[None, :])
 
 
 @triton.jit
@@ -79,76 +78,77 @@ def _b_tile(b_ptr, slot, offs_n, n_mask, offs_r, r_mask, N: tl.constexpr, R: tl.
 
 @triton.jit
 def _lora_expand_in_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, v_ptr, v_stride, b_qkv_ptr, b_fc1_ptr, a_fc2_ptr,
-                           seg_rows_ptr, seg_start_ptr, seg_slot_ptr, ranks_ptr, SEGMENTS: tl.constexpr,
-                           NQ: tl.constexpr, NF: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-                           PRECISION: tl.constexpr):
+                           seg_rows_ptr, seg_start_ptr, seg_slot_ptr, ranks_ptr, NQ: tl.constexpr, NF: tl.constexpr,
+                           R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """qkv += B_qkv v_qkv; f = gelu(f + B_fc1 v_fc1) (slot 0's rows: the GELU alone), and fc2's shrink of this
     block of f: v_fc2 += A_fc2[:, block] f[block] (atomically). Programs past qkv's column blocks take fc1's."""
-    pid = tl.program_id(0)
+    s, pid = tl.program_id(0), tl.program_id(1)
+    start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
     q_blocks: tl.constexpr = (NQ + BLOCK_N - 1) // BLOCK_N
-    in_fc1 = pid >= q_blocks
-    n_total = tl.where(in_fc1, NF, NQ)
-    offs_n = (pid - tl.where(in_fc1, q_blocks, 0)) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_total
+    if (end <= start) | ((slot == 0) & (pid < q_blocks)):
+        return
     offs_r = tl.arange(0, R)
-    for s in range(SEGMENTS):
-        start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
-        if (end > start) & (in_fc1 | (slot != 0)):
-            r_mask = offs_r < rank  # (slot 0 has rank 0: no delta)
-            if in_fc1:
-                b = _b_tile(b_fc1_ptr, slot, offs_n, n_mask, offs_r, r_mask, NF, R)
-                a2 = tl.load(a_fc2_ptr + slot.to(tl.int64) * (R * NF) + offs_r[:, None] * NF + offs_n[None, :],
-                             mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
-            else:
-                b = _b_tile(b_qkv_ptr, slot, offs_n, n_mask, offs_r, r_mask, NQ, R)
-                a2 = tl.zeros([R, BLOCK_N], tl.float32)
-            for r0 in range(start, end, 16):
-                rows, m = _rows(seg_rows_ptr, r0, end)
-                mask = m[:, None] & n_mask[None, :]
-                ptrs = tl.where(in_fc1, f_ptr + rows[:, None] * f_stride, qkv_ptr + rows[:, None] * qkv_stride)
-                ptrs += offs_n[None, :]
-                y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-                v = tl.load(v_ptr + rows[:, None] * v_stride + tl.where(in_fc1, 2 * R, 0) + offs_r[None, :],
-                            mask=m[:, None] & r_mask[None, :], other=0.0)
-                y = tl.dot(v, tl.trans(b), y, input_precision=PRECISION)
-                if in_fc1:
-                    # (rounded as stored: fc2 and its shrink read the same activations)
-                    y = tl.where(mask, _gelu_tanh(y), 0.0).to(ptrs.dtype.element_ty).to(tl.float32)
-                    part = tl.dot(y, tl.trans(a2), input_precision=PRECISION)  # [16, R]
-                    tl.atomic_add(v_ptr + rows[:, None] * v_stride + 3 * R + offs_r[None, :], part,
-                                  mask=m[:, None] & r_mask[None, :])  # (none for slot 0: its rank is 0)
-                tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+    r_mask = offs_r < rank  # (slot 0 has rank 0: no delta)
+    if pid < q_blocks:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < NQ
+        b = _b_tile(b_qkv_ptr, slot, offs_n, n_mask, offs_r, r_mask, NQ, R)
+        for r0 in range(start, end, 16):
+            rows, m = _rows(seg_rows_ptr, r0, end)
+            ptrs = qkv_ptr + rows[:, None] * qkv_stride + offs_n[None, :]
+            mask = m[:, None] & n_mask[None, :]
+            v = tl.load(v_ptr + rows[:, None] * v_stride + offs_r[None, :], mask=m[:, None] & r_mask[None, :], other=0.0)
+            y = tl.dot(v, tl.trans(b), tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), input_precision=PRECISION)
+            tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+    else:
+        offs_n = (pid - q_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < NF
+        b = _b_tile(b_fc1_ptr, slot, offs_n, n_mask, offs_r, r_mask, NF, R)
+        a2 = tl.load(a_fc2_ptr + slot.to(tl.int64) * (R * NF) + offs_r[:, None] * NF + offs_n[None, :],
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        for r0 in range(start, end, 16):
+            rows, m = _rows(seg_rows_ptr, r0, end)
+            ptrs = f_ptr + rows[:, None] * f_stride + offs_n[None, :]
+            mask = m[:, None] & n_mask[None, :]
+            v = tl.load(v_ptr + rows[:, None] * v_stride + 2 * R + offs_r[None, :], mask=m[:, None] & r_mask[None, :],
+                        other=0.0)
+            y = tl.dot(v, tl.trans(b), tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), input_precision=PRECISION)
+            y = tl.where(mask, _gelu_tanh(y), 0.0).to(ptrs.dtype.element_ty)  # (fc2 and its shrink read it so)
+            tl.store(ptrs, y, mask=mask)
+            part = tl.dot(y.to(tl.float32), tl.trans(a2), input_precision=PRECISION)  # [16, R]
+            tl.atomic_add(v_ptr + rows[:, None] * v_stride + 3 * R + offs_r[None, :], part,
+                          mask=m[:, None] & r_mask[None, :])  # (none for slot 0: its rank is 0)
 
 
 @triton.jit
 def _lora_expand_out_kernel(x_ptr, x_stride, v_ptr, v_stride, b_proj_ptr, b_fc2_ptr, seg_rows_ptr, seg_start_ptr,
-                            seg_slot_ptr, ranks_ptr, SEGMENTS: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
-                            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """x += B_proj v_proj + B_fc2 v_fc2 (the residual after out-projection and fc2), segment by segment."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+                            seg_slot_ptr, ranks_ptr, N: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+                            PRECISION: tl.constexpr):
+    """x += B_proj v_proj + B_fc2 v_fc2 (the residual after out-projection and fc2), for the segment's rows."""
+    s, pid = tl.program_id(0), tl.program_id(1)
+    start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
+    if (end <= start) | (slot == 0):
+        return
     offs_r = tl.arange(0, R)
-    for s in range(SEGMENTS):
-        start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
-        if (end > start) & (slot != 0):
-            r_mask = offs_r < rank
-            proj = _b_tile(b_proj_ptr, slot, offs_n, n_mask, offs_r, r_mask, N, R)
-            fc2 = _b_tile(b_fc2_ptr, slot, offs_n, n_mask, offs_r, r_mask, N, R)
-            for r0 in range(start, end, 16):
-                rows, m = _rows(seg_rows_ptr, r0, end)
-                mask = m[:, None] & n_mask[None, :]
-                ptrs = x_ptr + rows[:, None] * x_stride + offs_n[None, :]
-                y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-                v_ptrs = v_ptr + rows[:, None] * v_stride + offs_r[None, :]
-                vr_mask = m[:, None] & r_mask[None, :]
-                y = tl.dot(tl.load(v_ptrs + R, mask=vr_mask, other=0.0), tl.trans(proj), y, input_precision=PRECISION)
-                y = tl.dot(tl.load(v_ptrs + 3 * R, mask=vr_mask, other=0.0), tl.trans(fc2), y,
-                           input_precision=PRECISION)
-                tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+    r_mask = offs_r < rank
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    proj = _b_tile(b_proj_ptr, slot, offs_n, n_mask, offs_r, r_mask, N, R)
+    fc2 = _b_tile(b_fc2_ptr, slot, offs_n, n_mask, offs_r, r_mask, N, R)
+    for r0 in range(start, end, 16):
+        rows, m = _rows(seg_rows_ptr, r0, end)
+        mask = m[:, None] & n_mask[None, :]
+        ptrs = x_ptr + rows[:, None] * x_stride + offs_n[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        v_ptrs = v_ptr + rows[:, None] * v_stride + offs_r[None, :]
+        vr_mask = m[:, None] & r_mask[None, :]
+        y = tl.dot(tl.load(v_ptrs + R, mask=vr_mask, other=0.0), tl.trans(proj), y, input_precision=PRECISION)
+        y = tl.dot(tl.load(v_ptrs + 3 * R, mask=vr_mask, other=0.0), tl.trans(fc2), y, input_precision=PRECISION)
+        tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
 
 
 SHRINK_BLOCK_K = 128  # each program's block of the input dim
-EXPAND_BLOCK_N = 64
+EXPAND_IN_BLOCK_N, EXPAND_OUT_BLOCK_N = 128, 64
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -161,9 +161,9 @@ def lora_shrink(h: torch.Tensor, a_h: torch.Tensor, segs, ranks: torch.Tensor, v
     r, k = a_h.shape[1] // 3, a_h.shape[2]
     rows, starts, slots = segs
     assert h.shape[1] == k and k % SHRINK_BLOCK_K == 0 and v.shape[1] == 4 * r
-    _lora_shrink_kernel[(k // SHRINK_BLOCK_K, 3)](
-        h, h.stride(0), a_h, rows, starts, slots, ranks, v, v.stride(0), SEGMENTS=slots.shape[0], K=k, R=r, GROUPS=3,
-        BLOCK_K=SHRINK_BLOCK_K, PRECISION=_precision(h), num_warps=4)
+    _lora_shrink_kernel[(slots.shape[0], 3, k // SHRINK_BLOCK_K)](
+        h, h.stride(0), a_h, rows, starts, slots, ranks, v, v.stride(0), K=k, R=r, GROUPS=3, BLOCK_K=SHRINK_BLOCK_K,
+        PRECISION=_precision(h), num_warps=4)
 
 
 def lora_expand_in(qkv: torch.Tensor, f: torch.Tensor, v: torch.Tensor, b_qkv: torch.Tensor, b_fc1: torch.Tensor,
@@ -172,10 +172,10 @@ def lora_expand_in(qkv: torch.Tensor, f: torch.Tensor, v: torch.Tensor, b_qkv: t
     += f @ A_fc2^T (a_fc2 [slots, R, NF]). b_*: [slots, N, R]."""
     nq, nf, r = b_qkv.shape[1], b_fc1.shape[1], b_qkv.shape[2]
     rows, starts, slots = segs
-    blocks = triton.cdiv(nq, EXPAND_BLOCK_N) + triton.cdiv(nf, EXPAND_BLOCK_N)
-    _lora_expand_in_kernel[(blocks,)](
-        qkv, qkv.stride(0), f, f.stride(0), v, v.stride(0), b_qkv, b_fc1, a_fc2, rows, starts, slots, ranks,
-        SEGMENTS=slots.shape[0], NQ=nq, NF=nf, R=r, BLOCK_N=EXPAND_BLOCK_N, PRECISION=_precision(qkv), num_warps=4)
+    blocks = triton.cdiv(nq, EXPAND_IN_BLOCK_N) + triton.cdiv(nf, EXPAND_IN_BLOCK_N)
+    _lora_expand_in_kernel[(slots.shape[0], blocks)](
+        qkv, qkv.stride(0), f, f.stride(0), v, v.stride(0), b_qkv, b_fc1, a_fc2, rows, starts, slots, ranks, NQ=nq,
+        NF=nf, R=r, BLOCK_N=EXPAND_IN_BLOCK_N, PRECISION=_precision(qkv), num_warps=4)
 
 
 def lora_expand_out(x: torch.Tensor, v: torch.Tensor, b_proj: torch.Tensor, b_fc2: torch.Tensor, segs,
@@ -183,6 +183,6 @@ def lora_expand_out(x: torch.Tensor, v: torch.Tensor, b_proj: torch.Tensor, b_fc
     """In place: x [B, N] += proj's deltas (v's second R columns) + fc2's (its last R)."""
     n, r = b_proj.shape[1], b_proj.shape[2]
     rows, starts, slots = segs
-    _lora_expand_out_kernel[(triton.cdiv(n, EXPAND_BLOCK_N // 2),)](
-        x, x.stride(0), v, v.stride(0), b_proj, b_fc2, rows, starts, slots, ranks, SEGMENTS=slots.shape[0], N=n, R=r,
-        BLOCK_N=EXPAND_BLOCK_N // 2, PRECISION=_precision(x), num_warps=4)
+    _lora_expand_out_kernel[(slots.shape[0], triton.cdiv(n, EXPAND_OUT_BLOCK_N))](
+        x, x.stride(0), v, v.stride(0), b_proj, b_fc2, rows, starts, slots, ranks, N=n, R=r,
+        BLOCK_N=EXPAND_OUT_BLOCK_N, PRECISION=_precision(x), num_warps=4)
