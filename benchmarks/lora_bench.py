@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_bench import timed  # noqa: E402
+from kestrel_backend.config import RuntimeConfig  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.lora import LoraRows, target_shapes  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
@@ -119,7 +120,9 @@ def main() -> int:
     for rank in (8, 32):
         with tempfile.TemporaryDirectory() as tmp:
             names = write_adapters(Path(tmp), config, rank)
-            registry = AdapterRegistry(tmp, ADAPTERS, 32, config.text, "cuda", torch.bfloat16, None)
+            defaults = RuntimeConfig()  # the pool of a default server: 32 slots of rank 32
+            registry = AdapterRegistry(tmp, defaults.max_adapters, defaults.max_adapter_rank, config.text, "cuda",
+                                       torch.bfloat16, None)
             before = torch.cuda.memory_allocated()
             registry.ensure_pool()
             pool_bytes = torch.cuda.memory_allocated() - before

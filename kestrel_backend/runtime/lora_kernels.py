@@ -151,6 +151,12 @@ SHRINK_BLOCK_K = 128  # each program's block of the input dim
 EXPAND_IN_BLOCK_N, EXPAND_OUT_BLOCK_N = 128, 64
 
 
+def _segment_programs(slots: torch.Tensor, ranks: torch.Tensor) -> int:
+    """Programs along the segment axis: a step has no more segments than rows, nor than the pool has slots
+    (and slot 0)."""
+    return min(slots.shape[0], ranks.shape[0])
+
+
 def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)
 
@@ -161,7 +167,7 @@ def lora_shrink(h: torch.Tensor, a_h: torch.Tensor, segs, ranks: torch.Tensor, v
     r, k = a_h.shape[1] // 3, a_h.shape[2]
     rows, starts, slots = segs
     assert h.shape[1] == k and k % SHRINK_BLOCK_K == 0 and v.shape[1] == 4 * r
-    _lora_shrink_kernel[(slots.shape[0], 3, k // SHRINK_BLOCK_K)](
+    _lora_shrink_kernel[(_segment_programs(slots, ranks), 3, k // SHRINK_BLOCK_K)](
         h, h.stride(0), a_h, rows, starts, slots, ranks, v, v.stride(0), K=k, R=r, GROUPS=3, BLOCK_K=SHRINK_BLOCK_K,
         PRECISION=_precision(h), num_warps=4)
 
@@ -173,7 +179,7 @@ def lora_expand_in(qkv: torch.Tensor, f: torch.Tensor, v: torch.Tensor, b_qkv: t
     nq, nf, r = b_qkv.shape[1], b_fc1.shape[1], b_qkv.shape[2]
     rows, starts, slots = segs
     blocks = triton.cdiv(nq, EXPAND_IN_BLOCK_N) + triton.cdiv(nf, EXPAND_IN_BLOCK_N)
-    _lora_expand_in_kernel[(slots.shape[0], blocks)](
+    _lora_expand_in_kernel[(_segment_programs(slots, ranks), blocks)](
         qkv, qkv.stride(0), f, f.stride(0), v, v.stride(0), b_qkv, b_fc1, a_fc2, rows, starts, slots, ranks, NQ=nq,
         NF=nf, R=r, BLOCK_N=EXPAND_IN_BLOCK_N, PRECISION=_precision(qkv), num_warps=4)
 
@@ -183,6 +189,6 @@ def lora_expand_out(x: torch.Tensor, v: torch.Tensor, b_proj: torch.Tensor, b_fc
     """In place: x [B, N] += proj's deltas (v's second R columns) + fc2's (its last R)."""
     n, r = b_proj.shape[1], b_proj.shape[2]
     rows, starts, slots = segs
-    _lora_expand_out_kernel[(slots.shape[0], triton.cdiv(n, EXPAND_OUT_BLOCK_N))](
+    _lora_expand_out_kernel[(_segment_programs(slots, ranks), triton.cdiv(n, EXPAND_OUT_BLOCK_N))](
         x, x.stride(0), v, v.stride(0), b_proj, b_fc2, rows, starts, slots, ranks, N=n, R=r,
         BLOCK_N=EXPAND_OUT_BLOCK_N, PRECISION=_precision(x), num_warps=4)
