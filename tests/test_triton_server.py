@@ -368,3 +368,44 @@ def test_two_adapters_and_none_in_flight_equal_each_alone(triton_server, image, 
         grown = metric_sum(text, "kestrel_adapter_requests_total", adapter=adapter) - \
             metric_sum(before, "kestrel_adapter_requests_total", adapter=adapter)
         assert grown == 4, adapter
+
+
+def _post(url: str, body: dict):
+    return urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode(),
+                                                         headers={"Content-Type": "application/json"}), timeout=120)
+
+
+def test_http_generate_and_generate_stream_take_base64_images(triton_server, client, image):
+    """Triton's HTTP generate extension, every skill: IMAGE as base64 text or a data URL (JSON carries no raw
+    bytes); the server-sent events of generate_stream join to the final text; bad base64 is a clear error."""
+    import base64
+    import urllib.error
+
+    url = triton_server["http"] + "/v2/models/moondream/generate"
+    b64 = base64.b64encode(image).decode()
+    settings = json.dumps(GREEDY)
+    calls = {"query": ({"QUESTION": "What is in the picture?"}, client.query("What is in the picture?", image, settings=GREEDY)),
+             "caption": ({"LENGTH": "short"}, client.caption(image, "short", settings=GREEDY)),
+             "point": ({"OBJECT": "cat"}, client.point(image, "cat", settings=GREEDY | {"max_objects": 3})),
+             "detect": ({"OBJECT": "cat"}, client.detect(image, "cat", settings=GREEDY | {"max_objects": 3}))}
+    for skill, (inputs, want) in calls.items():
+        extra = {"SETTINGS": json.dumps({"max_objects": 3})} if skill in ("point", "detect") else {"SETTINGS": settings}
+        with _post(url, {"SKILL": skill, "IMAGE": b64, **inputs, **extra}) as response:
+            body = json.loads(json.loads(response.read())["TEXT_OUTPUT"])
+        key = {"query": "answer", "caption": "caption", "point": "points", "detect": "objects"}[skill]
+        assert body[key] == want[key], skill
+
+    with _post(url + "_stream", {"SKILL": "caption", "IMAGE": "data:image/png;base64," + b64, "STREAM": True,
+                                 "SETTINGS": json.dumps({"temperature": 0, "max_tokens": 20})}) as response:
+        events = [json.loads(json.loads(line[len(b"data: "):])["TEXT_OUTPUT"])
+                  for line in response.read().splitlines() if line.startswith(b"data: ")]
+    assert len(events) > 1 and events[-1]["completed"] and not any(e["completed"] for e in events[:-1])
+    assert "".join(e["chunk"] for e in events) == events[-1]["caption"] == \
+        client.caption(image, settings={"temperature": 0, "max_tokens": 20})["caption"]
+
+    for bad, message in (("data:image/png;base64,@@@@", "payload is not valid base64"),
+                         ("data:image/png,plain", "must be data:image/<type>;base64"),
+                         ("abc", "neither image bytes nor valid base64")):
+        with pytest.raises(urllib.error.HTTPError) as error:
+            _post(url, {"SKILL": "caption", "IMAGE": bad})
+        assert message in error.value.read().decode()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,6 +47,35 @@ def _bytes(name: str, arr: np.ndarray | None) -> bytes | None:
     if not isinstance(value, (bytes, bytearray)):
         raise InvalidRequest(f"{name} must hold bytes")
     return bytes(value)
+
+
+_BASE64 = re.compile(rb"[A-Za-z0-9+/_\-\s]+={0,2}\s*")
+
+
+def image_bytes(raw: bytes | None) -> bytes | None:
+    """IMAGE as sent: encoded image bytes (gRPC), or, where only text can travel (JSON over HTTP), base64 text or
+    a `data:image/...;base64,` URL (what Kestrel's HTTP API takes as image_url). Encoded images start with
+    binary magic bytes, so they never pass for base64 text."""
+    if raw is None or not raw:
+        return raw
+    if raw.startswith(b"data:"):
+        header, comma, payload = raw.partition(b",")
+        if not comma or not header.endswith(b";base64"):
+            raise InvalidRequest("IMAGE data URL must be data:image/<type>;base64,<data>")
+        return _base64(payload, "IMAGE data URL's payload is not valid base64")
+    if _BASE64.fullmatch(raw):
+        return _base64(raw, "IMAGE is neither image bytes nor valid base64")
+    return raw
+
+
+def _base64(text: bytes, error: str) -> bytes:
+    text = re.sub(rb"\s", b"", text)
+    try:
+        if b"-" in text or b"_" in text:
+            return base64.urlsafe_b64decode(text + b"=" * (-len(text) % 4))
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(error) from None
 
 
 def _text(name: str, arr: np.ndarray | None) -> str | None:
@@ -120,7 +152,7 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
         raise InvalidRequest(f"SPATIAL_REFS is only taken by the query skill, not {skill}")
     return WireRequest(
         skill=skill,
-        image=_bytes("IMAGE", get("IMAGE")),
+        image=image_bytes(_bytes("IMAGE", get("IMAGE"))),
         question=_text("QUESTION", get("QUESTION")),
         object=_text("OBJECT", get("OBJECT")),
         length=_text("LENGTH", get("LENGTH")) or "normal",
