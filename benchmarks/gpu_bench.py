@@ -300,6 +300,23 @@ def engine_golden_check() -> dict:
         engine.shutdown()
 
 
+def vision_crop_flops(v) -> int:
+    """Matmul FLOPs of one crop through the encoder: patch embedding, every layer's projections, MLP and attention."""
+    tokens, d = v.grid * v.grid, v.enc_dim
+    per_layer = 2 * tokens * d * (3 * d + d + 2 * v.enc_ff_dim) + 2 * 2 * tokens * tokens * d
+    return v.enc_n_layers * per_layer + 2 * tokens * 3 * v.enc_patch_size**2 * d
+
+
+def prefill_flops(config: MoondreamConfig, cached: int, new: int, prefix: int | None = None) -> int:
+    """Matmul FLOPs of prefilling `new` tokens after `cached` ones (the layers over each new token, the attention
+    over the pairs each sees: the first `prefix` positions see each other) and the LM head over the last one."""
+    t = config.text
+    prefix = t.prefix_attn if prefix is None else prefix
+    per_token = 2 * (text_weight_bytes(config) // 2 - t.dim * t.vocab_size)  # 2 FLOPs per weight
+    pairs = sum(prefix if p < prefix else p + 1 for p in range(cached, cached + new))
+    return new * per_token + t.n_layers * 4 * t.n_heads * t.head_dim * pairs + 2 * t.dim * t.vocab_size
+
+
 def vision_bench(model: Moondream, ceilings: dict, variant: str = "graph", n: int = 13) -> dict:
     """n crops in one batch: 13 is one full 12-tile image plus its global crop. variant: "graph" (what the
     engine runs: CropEncoderGraphs), "eager" or "compiled" (torch.compile of the eager encode). Ratios to the
@@ -321,9 +338,7 @@ def vision_bench(model: Moondream, ceilings: dict, variant: str = "graph", n: in
         first_s = time.perf_counter() - t0
         ms = timed(lambda: encode(crops), iters=10)
         idle_ms = timed(lambda: encode(crops), warmup=0, iters=10, idle_s=0.2) if variant == "graph" else None
-    tokens, d = v.grid * v.grid, v.enc_dim
-    per_layer = 2 * tokens * d * (3 * d + d + 2 * v.enc_ff_dim) + 2 * 2 * tokens * tokens * d
-    flops = n * (v.enc_n_layers * per_layer + 2 * tokens * 3 * v.enc_patch_size**2 * d)
+    flops = n * vision_crop_flops(v)
     floor = flops / (ceilings["bf16_matmul_TFLOPs"] * 1e12) * 1000
     floor_sustained = flops / (ceilings["bf16_matmul_sustained_TFLOPs"] * 1e12) * 1000
     row = {"variant": variant, "first_call_s": first_s, "crops": n, "ms": ms, "ms_per_crop": ms / n,
@@ -355,9 +370,7 @@ def prefill_bench(model: Moondream, rate: float, n: int, prompt: int = 12) -> li
     for i in range(n):
         cache.allocate(i, length)
     x = torch.randn(n * length, t.dim, device="cuda", dtype=torch.bfloat16)
-    per_token = 2 * (text_weight_bytes(model.config) // 2 - t.dim * t.vocab_size)  # 2 FLOPs per weight
-    pairs = prefix * prefix + sum(prefix + i + 1 for i in range(prompt))
-    flops = n * (length * per_token + t.n_layers * 4 * t.n_heads * t.head_dim * pairs + 2 * t.dim * t.vocab_size)
+    flops = n * prefill_flops(model.config, 0, length)
     rows = []
     engine_attention = make_attention(cache)
 

@@ -39,6 +39,7 @@ class RuntimeConfig:
     adapter_dir: str = ""  # LoRA adapters: <id>/final.pt, <id>.safetensors or <id>/*.safetensors
     max_adapters: int = 32  # adapters kept loaded on the device (LRU)
     max_adapter_rank: int = 32  # the device pool holds KESTREL_MAX_ADAPTERS slots of this rank
+    image_workers: int = 0  # threads decoding and cropping images (0: from the machine's CPU count)
 
     ENV = {
         "model_path": "KESTREL_MODEL_PATH", "model": "KESTREL_MODEL", "revision": "KESTREL_REVISION",
@@ -49,7 +50,7 @@ class RuntimeConfig:
         "max_image_bytes": "KESTREL_MAX_IMAGE_BYTES", "max_image_pixels": "KESTREL_MAX_IMAGE_PIXELS",
         "max_objects": "KESTREL_MAX_OBJECTS", "chaos_fail_after_steps": "KESTREL_CHAOS_FAIL_AFTER_STEPS",
         "adapter_dir": "KESTREL_ADAPTER_DIR", "max_adapters": "KESTREL_MAX_ADAPTERS",
-        "max_adapter_rank": "KESTREL_MAX_ADAPTER_RANK",
+        "max_adapter_rank": "KESTREL_MAX_ADAPTER_RANK", "image_workers": "KESTREL_IMAGE_WORKERS",
     }
 
     @classmethod
@@ -80,7 +81,7 @@ class RuntimeConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.ENV[name]} must be at least 1, got {getattr(self, name)}")
-        for name in ("kv_pages", "max_context", "prefix_cache_size", "chaos_fail_after_steps"):
+        for name in ("kv_pages", "max_context", "prefix_cache_size", "chaos_fail_after_steps", "image_workers"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.ENV[name]} must be 0 or positive, got {getattr(self, name)}")
         if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -104,6 +105,11 @@ class RuntimeConfig:
 
             return resolve_checkpoint(self.model, self.revision or None)
         return TINY_CHECKPOINT
+
+    def image_worker_count(self) -> int:
+        """Threads for image decode and cropping: KESTREL_IMAGE_WORKERS, else all but two of the CPUs (the engine
+        thread and Triton's), at least two, at most 16 (pyvips releases the GIL while it decodes)."""
+        return self.image_workers or max(2, min(16, (os.cpu_count() or 4) - 2))
 
     def torch_device(self) -> str:
         import torch

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .config import RuntimeConfig
@@ -73,7 +74,7 @@ class InferenceEngine:
         self.images = ImageCache(config.image_cache_size)
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
         self._ids = itertools.count(1)
-        self._decoders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kestrel-decode")
+        self._decoders = ThreadPoolExecutor(max_workers=config.image_worker_count(), thread_name_prefix="kestrel-decode")
         self._decoding: dict[str, asyncio.Future] = {}  # image key -> its crops, while being decoded
         self.adapters = AdapterRegistry(config.adapter_dir, config.max_adapters, config.max_adapter_rank,
                                         model.config.text, model.device, model.dtype, self._decoders)
@@ -226,8 +227,9 @@ class InferenceEngine:
         return TextGeneration(tok, settings)
 
     async def _submit(self, skill, image, ids, settings, stream, reasoning=False, spatial_refs=()):
+        arrived = time.perf_counter()  # TTFT counts from here: image decode and admission waits included
         delivery = Delivery(asyncio.get_running_loop(), stream)
-        admit = self._admit(skill, image, ids, settings, delivery, reasoning, spatial_refs)
+        admit = self._admit(skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived)
         try:
             if delivery.loop is self.loop:  # a caller on the engine loop (the Triton adapter): no hop between loops
                 await admit
@@ -240,7 +242,7 @@ class InferenceEngine:
             delivery.cancel()  # the caller went away: drop the request at the next step
             raise
 
-    async def _admit(self, skill, image, ids, settings, delivery, reasoning, spatial_refs) -> None:
+    async def _admit(self, skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived: float) -> None:
         """Runs on the engine loop: bounded queue, image decode (off-thread), adapter, context check."""
         if self._queue_depth >= self.config.max_queue:
             raise EngineOverloaded(f"server overloaded: {self.config.max_queue} requests already queued; retry later")
@@ -273,7 +275,8 @@ class InferenceEngine:
                 adapter = await self.adapters.acquire(settings.adapter)
             detok = IncrementalDetokenizer(self.model.tokenizer) if stream_text(skill, delivery.stream) else None
             seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, cropped=cropped,
-                           capacity=capacity, detok=detok, adapter=adapter, prompt_overrides=overrides)
+                           capacity=capacity, detok=detok, adapter=adapter, prompt_overrides=overrides,
+                           t_submit=arrived)
             self.scheduler.add(seq)
         except BaseException:
             if adapter is not None:

@@ -494,3 +494,19 @@ def test_spatial_refs_are_checked(engine, tiny_dir):
             asyncio.run(engine.query(image, "What?", spatial_refs=refs))
     with pytest.raises(InvalidRequest, match="need an IMAGE"):
         asyncio.run(engine.query(None, "What?", spatial_refs=[(0.5, 0.5)]))
+
+
+def test_ttft_counts_from_the_requests_arrival(engine, tiny_dir, monkeypatch):
+    """The engine's ttft_ms includes the image decode (and any wait for a batch slot), as a client sees it."""
+    import time
+
+    crop = engine._crop
+
+    def slow_crop(data):
+        time.sleep(0.3)
+        return crop(data)
+
+    monkeypatch.setattr(engine, "_crop", slow_crop)
+    image = (tiny_dir / "images" / "wide.png").read_bytes() + b"\0"  # (bytes not seen before: decoded again)
+    result = asyncio.run(engine.query(image, "What?", settings={"max_tokens": 2}))
+    assert result.metrics["ttft_ms"] >= 300 > result.metrics["prefill_time_ms"]

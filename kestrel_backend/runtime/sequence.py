@@ -132,7 +132,7 @@ class Sequence:
     cached_tokens: int = 0  # positions whose KV pages came from the prefix cache
     next_input: int | torch.Tensor | None = None
     streamed_tokens: int = 0
-    t_submit: float = field(default_factory=time.perf_counter)
+    t_submit: float = field(default_factory=time.perf_counter)  # when the request reached the engine
     t_first: float = 0.0
     prefill_ms: float = 0.0
 

@@ -1,0 +1,265 @@
+"""Kestrel's published benchmark method (its PERFORMANCE.md and scripts/chartqa_eval.py), on our engine in-process
+and through a real tritonserver over gRPC, beside Kestrel's figures and the workload's GPU floor.
+
+The method: the `query` skill on chart images, about two questions an image (the second one finds the image's
+prefix in the prefix cache), prefix cache on; after two warm-up queries every question is submitted at once as
+one burst; "batch size" is the engine's max batch size; req/s = questions / wall time; P50 = the median of the
+engine-reported prefill + decode time of a request. "direct" answers are a few tokens, "chain of thought" about 30:
+with random weights (which rarely stop by themselves) the outputs are forced to 3 and 30 tokens, reasoning off.
+
+Images are ChartQA-like and fresh for every run: bar and line charts drawn with numpy (white background, axes,
+grid lines, 3 to 12 bars or a polyline, dark blocks where labels go) at ChartQA's sizes (700-1000 x 450-700 px),
+PNG-encoded; seeded by the run, so no two runs share an image.
+
+Floor of a burst (GPU only): the vision FLOPs of every image's crops and the prefill FLOPs of every question (the
+first on an image prefills its prefix, the second only its own tokens) over the measured matmul rate, plus the
+decode steps' bytes (weights once a step at full batches, and each step's KV reads) over the measured copy rate.
+
+    python benchmarks/kestrel_method.py [--batch-sizes 1 4 16 64] [--images 256] [--triton] [--out out.json]
+        [--kestrel-rows side_by_side.json]   # Kestrel measured on the same machine: {"direct": {"64": [req/s, p50]}, ...}
+    python benchmarks/kestrel_method.py --checkpoint tests/fixtures/md2-tiny --images 4 --batch-sizes 2  (CPU smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel_backend.config import RuntimeConfig  # noqa: E402
+from kestrel_backend.engine import InferenceEngine  # noqa: E402
+from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
+from kestrel_backend.model.image_crops import overlap_crops  # noqa: E402
+
+# Kestrel's published H100 figures, Moondream 2 (req/s, P50 ms), its PERFORMANCE.md.
+KESTREL_PUBLISHED = {"direct": {1: (41.9, 36.7), 4: (50.6, 68.9), 16: (55.1, 143), 64: (57.0, 332)},
+                     "cot": {1: (16.2, 110), 4: (22.7, 183), 16: (43.7, 292), 64: (48.8, 873)}}
+OUTPUT_TOKENS = {"direct": 3, "cot": 30}
+QUESTIONS = ["What is the value of the highest bar?", "Which category has the lowest value?",
+             "What is the difference between the first and the last value?", "How many bars are there?",
+             "In which year was the value the highest?", "Is the trend increasing or decreasing?"]
+
+
+def chart_png(rng: np.random.Generator) -> bytes:
+    import pyvips
+
+    w, h = int(rng.integers(700, 1001)), int(rng.integers(450, 701))
+    img = np.full((h, w, 3), 255, np.uint8)
+    left, bottom, top, right = w // 10, h - h // 8, h // 10, w - w // 20
+    img[top:bottom, left - 2:left] = 0  # y axis
+    img[bottom:bottom + 2, left:right] = 0  # x axis
+    for y in np.linspace(top, bottom, 6).astype(int)[:-1]:
+        img[y, left:right] = 220  # grid
+        img[y - 4:y + 4, left - 40:left - 10] = 60  # tick label
+    n = int(rng.integers(3, 13))
+    xs = np.linspace(left + 10, right - 10, n + 1).astype(int)
+    values = rng.uniform(0.1, 1.0, n)
+    color = rng.integers(0, 200, 3)
+    for i, v in enumerate(values):
+        bar_top = int(bottom - v * (bottom - top))
+        if rng.random() < 0.7:  # bars, else a polyline of points
+            img[bar_top:bottom, xs[i] + 3:xs[i + 1] - 3] = color
+        else:
+            img[bar_top - 3:bar_top + 3, xs[i]:xs[i + 1]] = color
+        img[bottom + 8:bottom + 16, xs[i] + 5:xs[i + 1] - 5] = 60  # category label
+    img[top // 3:top // 3 + 12, w // 3:2 * w // 3] = 30  # title
+    return pyvips.Image.new_from_array(img).pngsave_buffer(compression=1)
+
+
+def workload(n_images: int, seed: int) -> list[tuple[bytes, str]]:
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for _ in range(n_images):
+        image = chart_png(rng)
+        pairs += [(image, q) for q in rng.choice(QUESTIONS, 2, replace=False)]
+    return pairs
+
+
+def floor_s(config: MoondreamConfig, pairs, question_tokens: list[int], out_tokens: int, batch: int,
+            ceilings: dict) -> float:
+    """The burst's GPU floor (see the module's docstring)."""
+    from benchmarks.gpu_bench import prefill_flops, text_weight_bytes, vision_crop_flops
+    from kestrel_backend.images import decode_image
+
+    v, t = config.vision, config.text
+    flops, seen = 0, set()
+    for (image, _), q in zip(pairs, question_tokens):
+        prompt = q + 5  # (the query template's tokens)
+        if image in seen:
+            flops += prefill_flops(config, t.prefix_attn, prompt)
+        else:
+            seen.add(image)
+            crops, _ = overlap_crops(decode_image(image), v.crop_size, v.enc_patch_size, v.overlap_margin, v.max_crops)
+            flops += len(crops) * vision_crop_flops(v) + prefill_flops(config, 0, t.prefix_attn + prompt)
+    steps = -(-len(pairs) // batch) * out_tokens
+    kv_per_token = t.n_layers * 2 * t.n_kv_heads * t.head_dim * 2
+    kv_bytes = len(pairs) * sum(t.prefix_attn + 20 + i for i in range(out_tokens)) * kv_per_token
+    decode_bytes = steps * text_weight_bytes(config) + kv_bytes
+    return flops / (ceilings["bf16_matmul_TFLOPs"] * 1e12) + decode_bytes / (ceilings["copy_bandwidth_GBps"] * 1e9)
+
+
+def summarize(mode: str, batch: int, pairs, bodies: list[dict], wall: float) -> dict:
+    engine_ms = [b["metrics"]["prefill_time_ms"] + b["metrics"]["decode_time_ms"] for b in bodies]
+    ttft = [b["metrics"]["ttft_ms"] for b in bodies]
+    return {"mode": mode, "batch": batch, "questions": len(pairs), "images": len({img for img, _ in pairs}),
+            "wall_s": wall, "req_per_s": len(pairs) / wall, "engine_p50_ms": statistics.median(engine_ms),
+            "engine_ttft_p50_ms": statistics.median(ttft),
+            "output_tokens": sum(b["metrics"]["output_tokens"] for b in bodies)}
+
+
+def run_engine(model, batch: int, mode: str, pairs, warmup) -> dict:
+    settings = {"temperature": 0, "max_tokens": OUTPUT_TOKENS[mode]}
+    engine = InferenceEngine(RuntimeConfig(device=str(model.device), max_batch_size=batch, max_queue=1 << 16), model)
+    try:
+        async def burst(items):
+            return await asyncio.gather(*[engine.query(image, q, settings=settings) for image, q in items])
+
+        asyncio.run(burst(warmup))
+        t0 = time.perf_counter()
+        results = asyncio.run(burst(pairs))
+        wall = time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+    return summarize(mode, batch, pairs, [{"metrics": r.metrics} for r in results], wall)
+
+
+def burst_part(url: str, items, max_tokens: int) -> dict:
+    """One client process's share of a burst over gRPC, each request on its own stream: (bodies, start, end)."""
+    import uuid
+
+    import tritonclient.grpc.aio as grpcaio
+
+    from client import build_inputs, response_body
+
+    async def one(client, image, question):
+        async def request():
+            yield {"model_name": "moondream", "request_id": uuid.uuid4().hex, "inputs": build_inputs(
+                "query", image=image, question=question, settings={"temperature": 0, "max_tokens": max_tokens})}
+        async for result, error in client.stream_infer(request()):
+            if error is not None:
+                raise RuntimeError(f"the server answered with an error: {error}")
+            body = response_body(result)
+            if body is not None:
+                return body
+
+    async def all_at_once():
+        client = grpcaio.InferenceServerClient(url)
+        try:
+            return await asyncio.gather(*[one(client, image, q) for image, q in items])
+        finally:
+            await client.close()
+
+    t0 = time.perf_counter()
+    bodies = asyncio.run(all_at_once())
+    return {"bodies": bodies, "start": t0, "end": time.perf_counter()}
+
+
+def run_triton(batch: int, modes, pairs_for, warmup, processes: int, checkpoint, port: int) -> list[dict]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from benchmarks.triton_bench import served
+
+    rows, ports = [], (port - 1, port, port + 1)
+    url = f"localhost:{port}"
+    with served(batch, ports, checkpoint) as (_, ready_s), ProcessPoolExecutor(
+            processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        print(f"tritonserver ready after {ready_s:.1f} s (max batch {batch})", flush=True)
+        for mode in modes:
+            burst_part(url, warmup, OUTPUT_TOKENS[mode])
+            pairs = pairs_for(mode)
+            shares = [pairs[i::processes] for i in range(processes)]
+            parts = list(pool.map(burst_part, [url] * processes, shares, [OUTPUT_TOKENS[mode]] * processes))
+            wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+            rows.append(summarize("triton " + mode, batch, pairs, [b for p in parts for b in p["bodies"]], wall))
+    return rows
+
+
+def _cell(figure) -> str:
+    return f"{figure[0]} ({figure[1]})" if figure else ""
+
+
+def _ratio(ours: float, figure) -> str:
+    return f"{ours / figure[0]:.2f}" if figure else ""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--modes", nargs="+", default=["direct", "cot"], choices=["direct", "cot"])
+    p.add_argument("--images", type=int, default=256, help="images a burst (two questions each)")
+    p.add_argument("--checkpoint", type=Path, help="a checkpoint folder (default: full-size random bf16 weights)")
+    p.add_argument("--triton", action="store_true", help="also through tritonserver (the nvidia-pytriton wheel)")
+    p.add_argument("--client-processes", type=int, default=4)
+    p.add_argument("--grpc-port", type=int, default=8201)
+    p.add_argument("--kestrel-rows", type=Path, help="Kestrel measured on this machine, to print beside ours")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    import torch
+
+    from kestrel_backend.model.moondream import Moondream
+    from kestrel_backend.model.tokenizer import load_tokenizer
+    from kestrel_backend.model.weights import random_weights
+
+    cuda = torch.cuda.is_available()
+    if args.checkpoint:
+        model = Moondream.from_checkpoint(args.checkpoint, dtype=torch.bfloat16 if cuda else torch.float32,
+                                          device="cuda" if cuda else "cpu")
+    else:
+        config = MoondreamConfig()
+        model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"),
+                          load_tokenizer(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny"))
+    ceilings = None
+    if cuda:
+        from benchmarks.gpu_bench import ceilings as measure_ceilings
+
+        ceilings = measure_ceilings()
+    run_seed = time.time_ns() % (1 << 32)
+    bursts = iter(range(1 << 30))
+
+    def fresh_burst(mode=None):  # every burst its own images
+        return workload(args.images, run_seed + 7919 * next(bursts))
+
+    warmup = workload(1, run_seed - 1)
+    kestrel_side = json.loads(args.kestrel_rows.read_text()) if args.kestrel_rows else {}
+    rows = []
+    for batch in args.batch_sizes:
+        for mode in args.modes:
+            pairs = fresh_burst()
+            row = run_engine(model, batch, mode, pairs, warmup)
+            if ceilings:
+                tokens = [len(model.tokenizer.encode(q).ids) for _, q in pairs]
+                row["floor_req_per_s"] = len(pairs) / floor_s(model.config, pairs, tokens, OUTPUT_TOKENS[mode],
+                                                               batch, ceilings)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if args.triton:
+            rows += run_triton(batch, args.modes, fresh_burst, warmup, args.client_processes, args.checkpoint,
+                               args.grpc_port)
+            print(json.dumps(rows[-len(args.modes):]), flush=True)
+    print("\n| mode | batch | req/s | engine P50 ms | engine TTFT p50 ms | floor req/s | Kestrel published req/s (P50) "
+          "| ours / published | Kestrel here req/s (P50) | ours / here |\n" + "| --- " * 10 + "|")
+    for r in rows:
+        mode = r["mode"].split()[-1]
+        pub, here = KESTREL_PUBLISHED[mode].get(r["batch"]), kestrel_side.get(mode, {}).get(str(r["batch"]))
+        r["kestrel_published"], r["kestrel_here"] = pub, here
+        print(f"| {r['mode']} | {r['batch']} | {r['req_per_s']:.1f} | {r['engine_p50_ms']:.0f} | "
+              f"{r['engine_ttft_p50_ms']:.0f} | {r.get('floor_req_per_s', float('nan')):.0f} | {_cell(pub)} | "
+              f"{_ratio(r['req_per_s'], pub)} | {_cell(here)} | {_ratio(r['req_per_s'], here)} |")
+    if args.out:
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu",
+                                        "date": time.strftime("%Y-%m-%d"), "ceilings": ceilings,
+                                        "images_per_burst": args.images, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
