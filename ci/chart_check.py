@@ -31,6 +31,11 @@ def _check_service_monitor(obj: dict) -> None:
         raise ValueError("ServiceMonitor spec.endpoints need a port")
 
 
+def render(chart_dir: Path = CHART, values: dict | None = None) -> dict[str, str]:
+    """The chart's rendered templates (path -> text), with Helm's own engine."""
+    return helm.Chart.load(str(chart_dir)).render(values, name="kestrel", namespace="inference", is_install=True)
+
+
 def check(chart_dir: Path = CHART, values_files=(None, ALL_ON)) -> list[str]:
     """Returns the problems found (empty: all good)."""
     problems: list[str] = []
@@ -43,8 +48,7 @@ def check(chart_dir: Path = CHART, values_files=(None, ALL_ON)) -> list[str]:
                 problems.append(f"{label}: lint: {msg.get('path')}: {msg.get('error')}")
         problems += [f"{label}: lint: {e}" for e in report.get("errors", [])]
         try:
-            chart = helm.Chart.load(str(chart_dir))
-            rendered = chart.render(values, name="kestrel", namespace="inference", is_install=True)
+            rendered = render(chart_dir, values)
         except helm.HelmError as e:
             problems.append(f"{label}: render failed: {e}")
             continue

@@ -54,8 +54,10 @@ class RuntimeConfig:
     }
 
     @classmethod
-    def from_sources(cls, env: dict | None = None, parameters: dict | None = None) -> "RuntimeConfig":
-        """parameters: config.pbtxt `parameters` keyed by the same names as the env vars."""
+    def from_sources(cls, env: dict | None = None, parameters: dict | None = None,
+                     instance: tuple[str, int] | None = None) -> "RuntimeConfig":
+        """parameters: config.pbtxt `parameters` keyed by the same names as the env vars. instance: Triton's
+        (model_instance_kind, model_instance_device_id): a KIND_GPU instance's engine runs on its own GPU."""
         env = os.environ if env is None else env
         parameters = parameters or {}
         values = {}
@@ -71,6 +73,11 @@ class RuntimeConfig:
                     raise ConfigError(f"{var} must be an integer, got {raw!r}") from None
             else:
                 values[f.name] = str(raw)
+        if instance is not None and instance[0] == "GPU":
+            if values.get("device", "cuda") not in ("cuda", f"cuda:{instance[1]}"):
+                raise ConfigError(f"KESTREL_DEVICE={values['device']} contradicts this instance's instance_group: "
+                                  f"KIND_GPU on GPU {instance[1]}")
+            values["device"] = f"cuda:{instance[1]}"
         config = cls(**values)
         config.validate()
         return config

@@ -66,6 +66,7 @@ class InferenceEngine:
     def __init__(self, config: RuntimeConfig, model: Moondream):
         self.config = config
         self.model = model
+        _use_device(model.device)  # (CUDA's current device is per thread: this one captures the graphs)
         text = model.config.text
         self.max_context = min(config.max_context or text.max_context, text.max_context)
         pages_per_seq = -(-self.max_context // config.page_size)
@@ -114,6 +115,7 @@ class InferenceEngine:
         return cls(config, model)
 
     def _run_loop(self) -> None:
+        _use_device(self.model.device)
         asyncio.set_event_loop(self.loop)
         self._task = self.loop.create_task(self.scheduler.run())
         self.loop.call_soon(self._started.set)
@@ -284,6 +286,14 @@ class InferenceEngine:
             raise
         finally:
             self._admitting -= 1
+
+
+def _use_device(device) -> None:
+    """Make the model's GPU the calling thread's current one (several engines, one per GPU, in one server)."""
+    import torch
+
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def stream_text(skill: str, stream: bool) -> bool:

@@ -87,3 +87,58 @@ def test_compose_files(name):
     assert set(svc["environment"]) <= KNOWN_ENV
     assert svc["environment"]["KESTREL_DEVICE"] == ("cpu" if "cpu" in name else "cuda")
     assert (ROOT / "docker" / svc["build"]["context"] / svc["build"]["dockerfile"]).exists()
+
+
+def _deployment(values_file=None) -> dict:
+    values = yaml.safe_load(values_file.read_text()) if values_file else None
+    rendered = chart_check.render(values=values)
+    return next(d for path, text in rendered.items() if path.endswith("deployment.yaml")
+                for d in yaml.safe_load_all(text) if d)
+
+
+def test_gpus_per_pod_runs_one_engine_per_gpu():
+    """gpusPerPod 1: the default config (one KIND_CPU instance); 2: the model's KIND_GPU config on two GPUs."""
+    one, two = _deployment(), _deployment(chart_check.ALL_ON)
+    for deployment, gpus in ((one, 1), (two, 2)):
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert ("--model-config-name=multi_gpu" in container["args"]) == (gpus > 1)
+
+
+def test_multi_gpu_config_differs_from_the_default_only_in_its_instance_group():
+    model = ROOT / "model_repository" / "moondream"
+
+    def without_instances(text):
+        lines = [line for line in text.splitlines() if not line.startswith("#")]
+        return [line for line in lines if not line.startswith("instance_group")]
+
+    default, multi = (model / "config.pbtxt").read_text(), (model / "configs" / "multi_gpu.pbtxt").read_text()
+    assert without_instances(default) == without_instances(multi)
+    assert "kind: KIND_CPU" in default and "kind: KIND_GPU" in multi
+
+
+def test_a_kind_gpu_instance_runs_its_engine_on_its_own_gpu():
+    env = {"KESTREL_MAX_BATCH_SIZE": "4"}
+    assert RuntimeConfig.from_sources(env, {}, ("GPU", 1)).device == "cuda:1"
+    assert RuntimeConfig.from_sources({"KESTREL_DEVICE": "cuda:3"}, {}, ("GPU", 3)).device == "cuda:3"
+    assert RuntimeConfig.from_sources({"KESTREL_DEVICE": "cpu"}, {}, ("CPU", 0)).device == "cpu"
+    assert RuntimeConfig.from_sources({}, {}, ("CPU", 0)).device == ""
+    with pytest.raises(ValueError, match="KESTREL_DEVICE=cpu contradicts this instance's instance_group: KIND_GPU on GPU 2"):
+        RuntimeConfig.from_sources({"KESTREL_DEVICE": "cpu"}, {}, ("GPU", 2))
+
+
+def test_tritonserver_takes_the_multi_gpu_config_by_name(tmp_path):
+    """`--model-config-name=multi_gpu` makes the real tritonserver load configs/multi_gpu.pbtxt: on this machine,
+    without a GPU, it then refuses the KIND_GPU instance group (on a GPU machine it starts one per GPU)."""
+    import subprocess
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the KIND_GPU config would load")
+    from conftest import _free_port
+    from kestrel_backend.triton.local_server import server_command
+
+    cmd, env = server_command(_free_port(), _free_port(), _free_port(), work=tmp_path)
+    run = subprocess.run(cmd + ["--model-config-name=multi_gpu"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "instance group moondream_0 of model moondream has kind KIND_GPU but no GPUs are available" in run.stderr + run.stdout

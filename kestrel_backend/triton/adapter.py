@@ -30,10 +30,11 @@ WATCH_INTERVAL_S = 0.05
 
 
 class TritonAdapter:
-    def __init__(self, model_config: dict, pb):
+    def __init__(self, model_config: dict, pb, instance: tuple[str, int] | None = None):
+        """instance: (kind, device id) of this model instance, as Triton gives them to initialize()."""
         self.pb = pb
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
-        self.engine = InferenceEngine.create(RuntimeConfig.from_sources(os.environ, params))
+        self.engine = InferenceEngine.create(RuntimeConfig.from_sources(os.environ, params, instance))
         self.metrics = TritonMetrics(pb)
         self.outbox = Outbox(pb)
         self._inflight: dict[asyncio.Task, object] = {}

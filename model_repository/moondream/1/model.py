@@ -9,8 +9,10 @@ from kestrel_backend.triton.adapter import TritonAdapter
 
 class TritonPythonModel:
     def initialize(self, args):
-        # Engine settings: KESTREL_* env vars, else this model's config.pbtxt parameters.
-        self.adapter = TritonAdapter(json.loads(args["model_config"]), pb_utils)
+        # Engine settings: KESTREL_* env vars, else this model's config.pbtxt parameters. A KIND_GPU instance
+        # (configs/multi_gpu.pbtxt: one per GPU) runs its own engine on its own GPU.
+        instance = (args["model_instance_kind"], int(args["model_instance_device_id"]))
+        self.adapter = TritonAdapter(json.loads(args["model_config"]), pb_utils, instance)
 
     def execute(self, requests):
         # Decoupled: responses go out through each request's response sender, from the engine loop.
