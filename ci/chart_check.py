@@ -4,8 +4,8 @@
 
 Renders the default values and deploy/helm/values-all-on.yaml; every rendered object is checked
 against the Kubernetes JSON schemas shipped by kubernetes-validate (strict: unknown fields fail).
-ServiceMonitor is a Prometheus Operator CRD with no shipped schema: its required fields are checked
-by hand. Prints one line per object and exits non-zero on any problem.
+ServiceMonitor (Prometheus Operator) and ScaledObject (KEDA) are CRDs with no shipped schema: their required
+fields are checked by hand. deploy/helm/values-hpa.yaml renders the plain-HPA autoscaling. Prints one line per object and exits non-zero on any problem.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "kestrel-triton"
 ALL_ON = ROOT / "deploy" / "helm" / "values-all-on.yaml"
+HPA = ROOT / "deploy" / "helm" / "values-hpa.yaml"
 KUBE_VERSION = "1.30.0"
 
 
@@ -36,7 +37,25 @@ def render(chart_dir: Path = CHART, values: dict | None = None) -> dict[str, str
     return helm.Chart.load(str(chart_dir)).render(values, name="kestrel", namespace="inference", is_install=True)
 
 
-def check(chart_dir: Path = CHART, values_files=(None, ALL_ON)) -> list[str]:
+def _check_scaled_object(obj: dict) -> None:
+    """KEDA's ScaledObject (keda.sh/v1alpha1): what KEDA needs of it, by hand (no shipped schema)."""
+    spec = obj.get("spec") or {}
+    if not spec.get("scaleTargetRef", {}).get("name"):
+        raise ValueError("ScaledObject spec.scaleTargetRef.name is empty")
+    if not 0 < int(spec.get("minReplicaCount", 0)) <= int(spec.get("maxReplicaCount", 0)):
+        raise ValueError("ScaledObject needs 0 < minReplicaCount <= maxReplicaCount")
+    for trigger in spec.get("triggers") or [None]:
+        meta = (trigger or {}).get("metadata", {})
+        if (trigger or {}).get("type") != "prometheus" or not all(meta.get(k) for k in ("serverAddress", "query",
+                                                                                          "threshold")):
+            raise ValueError("ScaledObject needs a prometheus trigger with serverAddress, query and threshold")
+        float(meta["threshold"])
+
+
+CUSTOM_RESOURCES = {"ServiceMonitor": _check_service_monitor, "ScaledObject": _check_scaled_object}
+
+
+def check(chart_dir: Path = CHART, values_files=(None, ALL_ON, HPA)) -> list[str]:
     """Returns the problems found (empty: all good)."""
     problems: list[str] = []
     for values_file in values_files:
@@ -64,8 +83,8 @@ def check(chart_dir: Path = CHART, values_files=(None, ALL_ON)) -> list[str]:
             for obj in docs:
                 kind = obj.get("kind", "?")
                 try:
-                    if kind == "ServiceMonitor":
-                        _check_service_monitor(obj)
+                    if kind in CUSTOM_RESOURCES:
+                        CUSTOM_RESOURCES[kind](obj)
                     else:
                         kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
                     kinds.append(kind)

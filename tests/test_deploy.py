@@ -142,3 +142,29 @@ def test_tritonserver_takes_the_multi_gpu_config_by_name(tmp_path):
     run = subprocess.run(cmd + ["--model-config-name=multi_gpu"], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "instance group moondream_0 of model moondream has kind KIND_GPU but no GPUs are available" in run.stderr + run.stdout
+
+
+def _rendered_kinds(values_file) -> dict:
+    rendered = chart_check.render(values=yaml.safe_load(values_file.read_text()))
+    return {d["kind"]: d for path, text in rendered.items() if path.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d}
+
+
+def test_autoscaling_by_keda_or_hpa_on_the_queue_depth():
+    """provider keda: a ScaledObject whose Prometheus query reads this release's queue-depth gauge, no HPA of ours;
+    provider hpa: the HPA on the adapter's pods metric, no ScaledObject."""
+    keda = _rendered_kinds(chart_check.ALL_ON)
+    assert "HorizontalPodAutoscaler" not in keda
+    trigger = keda["ScaledObject"]["spec"]["triggers"][0]
+    assert 'kestrel_engine_state{state="queue_depth", namespace="inference", pod=~"kestrel-kestrel-triton-.*"}' in \
+        trigger["metadata"]["query"]
+    assert keda["ScaledObject"]["spec"]["scaleTargetRef"]["name"] == keda["Deployment"]["metadata"]["name"]
+    hpa = _rendered_kinds(chart_check.HPA)
+    assert "ScaledObject" not in hpa and hpa["HorizontalPodAutoscaler"]["spec"]["maxReplicas"] == 8
+
+
+def test_a_scaled_object_without_a_query_fails(chart_copy):
+    tpl = chart_copy / "templates" / "scaledobject.yaml"
+    tpl.write_text(tpl.read_text().replace("        query:", "        nquery:"))
+    problems = chart_check.check(chart_copy)
+    assert any("ScaledObject" in p and "query" in p for p in problems), problems
