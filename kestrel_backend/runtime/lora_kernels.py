@@ -20,9 +20,6 @@ import triton.language as tl
 
 from .decode_kernels import _gelu_tanh
 
-ROWS = 16  # rows of a segment per dot (tl.dot's smallest tile)
-
-
 def segments(slots: list[int]) -> tuple[list[int], list[int], list[int]]:
     """Each row's adapter slot -> (rows sorted by slot, where each slot's run starts (and the end), its slot)."""
     order = sorted(range(len(slots)), key=lambda row: slots[row])
@@ -43,6 +40,7 @@ def _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s):
 
 @triton.jit
 def _rows(seg_rows_ptr, r0, end):
+    """The segment's next 16 rows from r0 (tl.dot's smallest tile), and which of them exist."""
     idx = r0 + tl.arange(0, 16)
     m = idx < end
     return tl.load(seg_rows_ptr + idx, mask=m, other=0), m
