@@ -1,8 +1,10 @@
-"""Compile every Triton kernel of the GPU paths for Hopper (sm90, with PDL) and Ampere (sm80), on a
-machine without a GPU: the launches of the real launch wrappers are intercepted, and each is compiled
-to a cubin with Triton's own compiler. Catches what the interpreter does not see (typing, layouts,
-the PDL intrinsics, shared memory beyond an H100's or A100's). Run by tests/test_gpu_kernels.py in a
-subprocess, without TRITON_INTERPRET. The GPU machine's Triton may differ from this one's.
+"""Compile every Triton kernel of the GPU paths for the GPUs people deploy on, on a machine without a GPU: the
+launches of the real launch wrappers are intercepted, with the wrappers told what each architecture has
+(programmatic dependent launch from Hopper on; about 100 KB of shared memory a block on sm86, sm89 and sm120,
+so the small tiles there), and each is compiled to a cubin with Triton's own compiler for that architecture.
+Catches what the interpreter does not see (typing, layouts, the PDL intrinsics, shared memory beyond the
+GPU's). Run by tests/test_gpu_kernels.py in a subprocess, without TRITON_INTERPRET. The GPU machine's Triton
+may differ from this one's.
 
     python tests/compile_kernels.py   -> prints one line per compiled kernel variant; exit 1 on failure
 """
@@ -24,7 +26,10 @@ from kestrel_backend.runtime.prefill_attention import prefill_attention
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
           torch.float64: "fp64"}
-SHARED_MEMORY = {90: 232448, 80: 166912}  # per block: H100, A100
+# capability: (shared memory a block, PDL): A100, A10/A40, L4/L40/RTX 4090, H100/H200, B200, RTX 5090/RTX PRO 6000
+ARCHITECTURES = {80: (166912, False), 86: (101376, False), 89: (101376, False), 90: (232448, True),
+                 100: (232448, True), 120: (101376, True)}
+SHARED_MEMORY = {cap: smem for cap, (smem, _) in ARCHITECTURES.items()}
 launches = []
 
 
@@ -101,8 +106,10 @@ def launch_everything() -> None:
 def main() -> int:
     JITFunction.__getitem__ = _record
     failed = 0
-    for pdl in (True, False):
-        dk._has_pdl = lambda device: pdl  # (the wrappers ask the device; there is none here)
+    for capability, (shared, pdl) in ARCHITECTURES.items():
+        # (the wrappers ask the device what it has; there is none here)
+        dk._has_pdl = lambda device, pdl=pdl: pdl
+        dk._small_shared_memory = lambda device, small=shared < 200 * 1024: small
         launches.clear()
         launch_everything()
         seen = set()
@@ -111,13 +118,12 @@ def main() -> int:
             if variant in seen:
                 continue
             seen.add(variant)
-            for capability in (90, 80) if not kwargs.get("PDL") else (90,):
-                try:
-                    compile_launch(fn, args, dict(kwargs), capability)
-                    print(f"ok   sm{capability} {fn.__name__} {sorted(kwargs.items())}")
-                except Exception as e:  # report every failure, not just the first
-                    failed += 1
-                    print(f"FAIL sm{capability} {fn.__name__} {sorted(kwargs.items())}: {e}")
+            try:
+                compile_launch(fn, args, dict(kwargs), capability)
+                print(f"ok   sm{capability} {fn.__name__} {sorted(kwargs.items())}")
+            except Exception as e:  # report every failure, not just the first
+                failed += 1
+                print(f"FAIL sm{capability} {fn.__name__} {sorted(kwargs.items())}: {e}")
     return 1 if failed else 0
 
 

@@ -8,6 +8,7 @@ ships with PyTorch there. The torch path (text.py, attention.py) stays for the C
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,12 +17,13 @@ import torch
 from ..model.moondream import Moondream
 from ..model.layers import layer_norm, linear, mlp_hidden
 from .cuda_graphs import CapturedGraphs
-from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, greedy_tokens, linear2_residual, norm_linear,
-                             norm_linear_attention, one_kernel_counters, rotary_paged_attention)
+from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, gpu_paths, greedy_tokens, linear2_residual,
+                             norm_linear, norm_linear_attention, one_kernel_counters, rotary_paged_attention)
 from .kv_cache import PagedKVCache
 from .lora_kernels import lora_expand_in, lora_expand_out, lora_shrink, segments
 
 
+log = logging.getLogger("kestrel.decode")
 ATTENTION_IN_NORM_LINEAR = True  # the one-kernel form of norm + qkv/fc1 + attention for one sequence (benchmarks
 #                                  compare without)
 ONE_KERNEL_SPLITS = 8  # its context splits for long contexts (H100, interleaved A/B: 8 best at 300 and 800 tokens;
@@ -252,6 +254,7 @@ class CudaGraphDecoder:
 
     def __init__(self, model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int, adapters=None):
         self.model, self.cache, self.adapters = model, cache, adapters  # adapters: the AdapterRegistry
+        log.info("decode kernels on %s", gpu_paths(model.device))
         dev, dim = model.device, model.config.text.dim
         self.buckets = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch} | {max_batch})
         self.inputs = StepInputs(max_batch, cache.pages_for(max_context), cache, model.rope, dev)

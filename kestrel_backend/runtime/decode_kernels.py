@@ -260,6 +260,14 @@ def _has_pdl(device: torch.device) -> bool:
     return has_gdc and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def gpu_paths(device: torch.device) -> str:
+    """What this GPU gets, chosen at start: PDL (Hopper and later) or not, the small or large kernel tiles."""
+    major, minor = torch.cuda.get_device_capability(device)
+    pdl = "programmatic dependent launch" if _has_pdl(device) else "no programmatic dependent launch (before Hopper)"
+    tiles = "small tiles (about 100 KB of shared memory)" if _small_shared_memory(device) else "large tiles"
+    return f"{torch.cuda.get_device_name(device)} (sm{major}{minor}): {pdl}, {tiles}"
+
+
 @functools.lru_cache
 def _small_shared_memory(device: torch.device) -> bool:
     """About 100 KB of shared memory per block (L4, A10, consumer cards) instead of the H100's 227 KB."""

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .attention import SeqSlice, TorchPagedAttention
+from . import decode_kernels
 from .kv_cache import PagedKVCache
 
 # query rows and key rows per tile, warps, pipeline stages (H100, 1 / 4 / 16 prefills of 742 tokens: 25 / 90 /
@@ -21,6 +22,9 @@ BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 4, 3
 # cached positions per tile of the loop over them (H100, 1 / 4 / 8 sequences of 22 rows after 720 cached
 # positions: 11.3 / 12.6 / 24.8 us per layer with 128, 13.3 / 14.4 / 28.0 with 64, 16.7 / 17.6 / 33.7 with 32)
 CONTEXT_BLOCK_N = 128
+# float32 tiles of that size in 3 stages need 116 KB of shared memory: GPUs of about 100 KB a block (sm86, sm89,
+# sm120) take 64 cached positions a tile there
+SMALL_SHARED_MEMORY_FP32_CONTEXT_BLOCK_N = 64
 # a work item, one per query tile: start row, rows, image-prefix rows among them, query tile, positions already
 # cached (before the step's rows), where their cache rows start in the step's context slots
 WORK_FIELDS = 6
@@ -120,10 +124,13 @@ def prefill_attention(q, k, v, k_cache, v_cache, slots, work, context) -> torch.
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and h % hkv == 0
     assert q.stride(1) == k.stride(1) == v.stride(1) == d and k_cache.is_contiguous() and v_cache.is_contiguous()
     out = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
+    context_block = CONTEXT_BLOCK_N
+    if q.dtype == torch.float32 and decode_kernels._small_shared_memory(q.device):
+        context_block = SMALL_SHARED_MEMORY_FP32_CONTEXT_BLOCK_N
     _prefill_attention_kernel[(work.numel() // WORK_FIELDS, h)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), out, k_cache, v_cache, slots, context, work,
         1.4426950408889634 * d ** -0.5, FIELDS=WORK_FIELDS, H=h, HKV=hkv, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        CONTEXT_BLOCK_N=CONTEXT_BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=WARPS,
+        CONTEXT_BLOCK_N=context_block, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=WARPS,
         num_stages=STAGES)
     return out
 
