@@ -310,10 +310,12 @@ def _check_spatial_refs(refs, image) -> list[tuple[float, ...]]:
     out = []
     for ref in refs:
         ref = tuple(float(v) for v in ref)
-        if len(ref) not in (2, 4) or not all(0.0 <= v <= 1.0 for v in ref):
-            raise InvalidRequest(f"SPATIAL_REFS: each must be (x, y) or (x_min, y_min, x_max, y_max) in [0, 1], got {ref}")
+        if len(ref) not in (2, 4):
+            raise InvalidRequest(f"SPATIAL_REFS: each must be (x, y) or (x_min, y_min, x_max, y_max), got {ref}")
+        if not all(0.0 <= v <= 1.0 for v in ref):  # (NaN fails this too)
+            raise InvalidRequest(f"SPATIAL_REFS values must be finite and within [0, 1], got {ref}")
         if len(ref) == 4 and (ref[2] < ref[0] or ref[3] < ref[1]):
-            raise InvalidRequest(f"SPATIAL_REFS: a box needs x_min <= x_max and y_min <= y_max, got {ref}")
+            raise InvalidRequest(f"SPATIAL_REFS boxes must have x_min <= x_max and y_min <= y_max, got {ref}")
         out.append(ref)
     return out
 

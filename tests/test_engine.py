@@ -29,10 +29,6 @@ def golden(tiny_dir):
     return [c for c in cases if c["kind"] in ("query", "caption", "point", "detect")]
 
 
-def _submit_case(engine, folder, case):
-    return parity.submit_case(engine, folder, case)
-
-
 def _check_against_golden(engine, case, result):
     assert parity.result_matches(engine, case, result), case["name"]
     expected_out = len(case.get("tokens", [])) + len(case.get("reasoning_tokens", []))
@@ -42,10 +38,10 @@ def _check_against_golden(engine, case, result):
 
 def test_batched_equals_alone_equals_golden(engine, tiny_dir, golden):
     async def alone():
-        return [await _submit_case(engine, tiny_dir, c) for c in golden]
+        return [await parity.submit_case(engine, tiny_dir, c) for c in golden]
 
     async def together():  # two adapters and none, spatial refs and none, in full batches of 16 and joining
-        return golden, await asyncio.gather(*[_submit_case(engine, tiny_dir, c) for c in golden])
+        return golden, await asyncio.gather(*[parity.submit_case(engine, tiny_dir, c) for c in golden])
 
     single = asyncio.run(alone())
     for case, result in zip(golden, single):
@@ -407,7 +403,7 @@ def test_other_checkpoints_serve_their_golden_answers(name, tiny_dir):
     eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32"))
     try:
         async def together():
-            return await asyncio.gather(*[_submit_case(eng, folder, c) for c in cases])
+            return await asyncio.gather(*[parity.submit_case(eng, folder, c) for c in cases])
 
         for case, result in zip(cases, asyncio.run(together())):
             _check_against_golden(eng, case, result)

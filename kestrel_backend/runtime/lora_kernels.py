@@ -32,10 +32,13 @@ def segments(slots: list[int]) -> tuple[list[int], list[int], list[int]]:
 
 
 @triton.jit
-def _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s):
+def _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s, R: tl.constexpr):
+    """Segment s: where its rows start and end in the sorted rows, its adapter's slot, and the rank columns
+    (offs_r) with the mask of those its adapter fills (none for slot 0, whose rank is 0)."""
     start, end = tl.load(seg_start_ptr + s), tl.load(seg_start_ptr + s + 1)
     slot = tl.load(seg_slot_ptr + s)
-    return start, end, slot, tl.load(ranks_ptr + slot)
+    offs_r = tl.arange(0, R)
+    return start, end, slot, offs_r, offs_r < tl.load(ranks_ptr + slot)
 
 
 @triton.jit
@@ -53,11 +56,9 @@ def _lora_shrink_kernel(x_ptr, x_stride, a_ptr, seg_rows_ptr, seg_start_ptr, seg
     """v[row, g * R + r] += sum over this program's block of k of A[slot, g * R + r, k] x[row, k], for its
     segment's rows (v zeroed before; the blocks of k are summed atomically)."""
     s, g, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
+    start, end, slot, offs_r, r_mask = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s, R)
     if (end <= start) | (slot == 0):
         return
-    offs_r = tl.arange(0, R)
-    r_mask = offs_r < rank
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     a = tl.load(a_ptr + slot.to(tl.int64) * (GROUPS * R * K) + (g * R + offs_r)[:, None] * K + offs_k[None, :],
                 mask=r_mask[:, None], other=0.0)
@@ -81,12 +82,10 @@ def _lora_expand_in_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, v_ptr, v_stride
     """qkv += B_qkv v_qkv; f = gelu(f + B_fc1 v_fc1) (slot 0's rows: the GELU alone), and fc2's shrink of this
     block of f: v_fc2 += A_fc2[:, block] f[block] (atomically). Programs past qkv's column blocks take fc1's."""
     s, pid = tl.program_id(0), tl.program_id(1)
-    start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
+    start, end, slot, offs_r, r_mask = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s, R)
     q_blocks: tl.constexpr = (NQ + BLOCK_N - 1) // BLOCK_N
     if (end <= start) | ((slot == 0) & (pid < q_blocks)):
         return
-    offs_r = tl.arange(0, R)
-    r_mask = offs_r < rank  # (slot 0 has rank 0: no delta)
     if pid < q_blocks:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < NQ
@@ -124,11 +123,9 @@ def _lora_expand_out_kernel(x_ptr, x_stride, v_ptr, v_stride, b_proj_ptr, b_fc2_
                             PRECISION: tl.constexpr):
     """x += B_proj v_proj + B_fc2 v_fc2 (the residual after out-projection and fc2), for the segment's rows."""
     s, pid = tl.program_id(0), tl.program_id(1)
-    start, end, slot, rank = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s)
+    start, end, slot, offs_r, r_mask = _segment(seg_start_ptr, seg_slot_ptr, ranks_ptr, s, R)
     if (end <= start) | (slot == 0):
         return
-    offs_r = tl.arange(0, R)
-    r_mask = offs_r < rank
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     proj = _b_tile(b_proj_ptr, slot, offs_n, n_mask, offs_r, r_mask, N, R)

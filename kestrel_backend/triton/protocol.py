@@ -117,17 +117,14 @@ def _merge_setting_tensors(get, settings: dict | None) -> dict | None:
 
 
 def _spatial_refs(arr: np.ndarray | None) -> list[tuple[float, ...]] | None:
-    """SPATIAL_REFS: rows of (x, y) points or (x_min, y_min, x_max, y_max) boxes, normalised to [0, 1]."""
+    """SPATIAL_REFS: rows of (x, y) points or (x_min, y_min, x_max, y_max) boxes. The tensor's type and shape are
+    checked here; the values, as for every caller, by the engine's query."""
     if arr is None or arr.size == 0:  # (Kestrel's backend also reads an empty tensor as none)
         return None
     if arr.dtype != np.float32:
         raise InvalidRequest(f"SPATIAL_REFS must be an FP32 tensor, got {arr.dtype}")
     if arr.ndim != 2 or arr.shape[1] not in (2, 4):
         raise InvalidRequest(f"SPATIAL_REFS must have shape [N, 2] (points) or [N, 4] (boxes), got {list(arr.shape)}")
-    if not np.all(np.isfinite(arr)) or arr.min() < 0 or arr.max() > 1:
-        raise InvalidRequest("SPATIAL_REFS values must be finite and within [0, 1]")
-    if arr.shape[1] == 4 and np.any((arr[:, 2] < arr[:, 0]) | (arr[:, 3] < arr[:, 1])):
-        raise InvalidRequest("SPATIAL_REFS boxes must have x_min <= x_max and y_min <= y_max")
     return [tuple(float(v) for v in row) for row in arr]
 
 
