@@ -136,6 +136,9 @@ class MoondreamClient:
     def point(self, image: bytes, object: str, settings: dict | None = None) -> dict:
         return self._one("point", image=image, object=object, settings=settings)
 
+    def segment(self, image: bytes, object: str, settings: dict | None = None) -> dict:
+        return self._one("segment", image=image, object=object, settings=settings)
+
 
 class AsyncMoondreamClient:
     """asyncio face of MoondreamClient: the gRPC stream callbacks are awaited without blocking the loop."""
@@ -166,3 +169,6 @@ class AsyncMoondreamClient:
 
     async def point(self, image: bytes, object: str, **kw) -> dict:
         return await asyncio.to_thread(self._sync.point, image, object, **kw)
+
+    async def segment(self, image: bytes, object: str, **kw) -> dict:
+        return await asyncio.to_thread(self._sync.segment, image, object, **kw)

@@ -1,4 +1,4 @@
-"""python -m client query|caption|detect|point --url localhost:8001 --image PATH [--stream]"""
+"""python -m client query|caption|detect|point|segment --url localhost:8001 --image PATH [--stream]"""
 
 import argparse
 import json
@@ -10,7 +10,7 @@ from . import MoondreamClient, MoondreamError
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m client")
-    p.add_argument("skill", choices=["query", "caption", "detect", "point"])
+    p.add_argument("skill", choices=["query", "caption", "detect", "point", "segment"])
     p.add_argument("--url", default="localhost:8001")
     p.add_argument("--image")
     p.add_argument("--question")

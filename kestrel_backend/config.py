@@ -113,6 +113,14 @@ class RuntimeConfig:
             return resolve_checkpoint(self.model, self.revision or None)
         return TINY_CHECKPOINT
 
+    def tokenizer_dir(self) -> Path | None:
+        """Where the tokenizer is, if not beside the weights: a hub model's own tokenizer repository (Moondream 3)."""
+        if self.model_path or not self.model:
+            return None
+        from .model.hub import resolve_tokenizer
+
+        return resolve_tokenizer(self.model)
+
     def image_worker_count(self) -> int:
         """Threads for image decode and cropping: KESTREL_IMAGE_WORKERS, else all but two of the CPUs (the engine
         thread and Triton's), at least two, at most 16 (pyvips releases the GIL while it decodes)."""

@@ -69,8 +69,7 @@ class InferenceEngine:
         _use_device(model.device)  # (CUDA's current device is per thread: this one captures the graphs)
         text = model.config.text
         self.max_context = min(config.max_context or text.max_context, text.max_context)
-        pages_per_seq = -(-self.max_context // config.page_size)
-        num_pages = config.kv_pages or pages_per_seq * config.max_batch_size
+        num_pages = config.kv_pages or default_kv_pages(self.max_context, config.page_size, config.max_batch_size)
         self.kv = PagedKVCache(text, num_pages, config.page_size, model.device, model.dtype)
         self.images = ImageCache(config.image_cache_size)
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
@@ -109,7 +108,8 @@ class InferenceEngine:
         if config.uses_tiny_checkpoint:
             log.warning("NO WEIGHTS CONFIGURED: serving the tiny RANDOM-WEIGHT test checkpoint %s; answers are noise. "
                         "Set KESTREL_MODEL=moondream2 or KESTREL_MODEL_PATH for a real model.", path)
-        model = Moondream.from_checkpoint(path, dtype=config.torch_dtype(), device=config.torch_device())
+        model = Moondream.from_checkpoint(path, dtype=config.torch_dtype(), device=config.torch_device(),
+                                          tokenizer_dir=config.tokenizer_dir())
         if model.tokenizer is None:
             raise ValueError(f"{path}: no tokenizer.json next to the weights")
         return cls(config, model)
@@ -179,6 +179,13 @@ class InferenceEngine:
 
     async def detect(self, image: bytes, object: str, settings: dict | None = None) -> EngineResult:
         return await self._region("detect", image, object, settings)
+
+    async def segment(self, image: bytes, object: str, settings: dict | None = None) -> EngineResult:
+        if not self.model.config.is_moondream3:
+            raise InvalidRequest(f"SKILL segment is not supported by {self.model.name}, the loaded model: "
+                                 "segment needs Moondream 3")
+        raise InvalidRequest("SKILL segment is not implemented by this server yet (its mask refiner is not "
+                             f"served); {self.model.name} serves query, caption, point and detect")
 
     async def submit_tokens(self, skill: str, image: bytes | None, ids: list[int], settings: dict | None = None,
                             stream: bool = False, reasoning: bool = False, spatial_refs=None):
@@ -274,6 +281,8 @@ class InferenceEngine:
             if self.kv.pages_for(capacity) > self.kv.num_pages:
                 raise InvalidRequest(f"request needs {self.kv.pages_for(capacity)} KV pages, the cache has {self.kv.num_pages}")
             if settings.adapter is not None:
+                if self.model.config.is_moondream3:
+                    raise InvalidRequest(f"adapters are served for Moondream 2 only; the loaded model is {self.model.name}")
                 adapter = await self.adapters.acquire(settings.adapter)
             detok = IncrementalDetokenizer(self.model.tokenizer) if stream_text(skill, delivery.stream) else None
             seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, cropped=cropped,
@@ -286,6 +295,17 @@ class InferenceEngine:
             raise
         finally:
             self._admitting -= 1
+
+
+# Tokens per batch slot in the default KV cache: Moondream 2's whole context. A model of longer context (Moondream
+# 3: 32k) gets this much per slot (plus room for one full-length sequence) instead of max_batch_size full contexts,
+# which would not fit on any GPU; KESTREL_KV_PAGES sets the cache outright.
+DEFAULT_TOKENS_PER_SLOT = 2048
+
+
+def default_kv_pages(max_context: int, page_size: int, max_batch_size: int) -> int:
+    pages = lambda tokens: -(-tokens // page_size)  # noqa: E731
+    return max(pages(max_context), max_batch_size * pages(min(max_context, DEFAULT_TOKENS_PER_SLOT)))
 
 
 def _use_device(device) -> None:

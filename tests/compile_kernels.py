@@ -17,11 +17,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from kestrel_backend.model.config import TextConfig, VisionConfig
+from kestrel_backend.model.config import MoeConfig, TextConfig, VisionConfig
 from kestrel_backend.model.layer_norm_cuda import shifted_layer_norm
 from kestrel_backend.model.rope_cuda import rope_qk_inplace
 from kestrel_backend.runtime import decode_kernels as dk
 from kestrel_backend.runtime import lora_kernels as lk
+from kestrel_backend.runtime import moe_kernels as mk
 from kestrel_backend.runtime.prefill_attention import prefill_attention
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
@@ -99,6 +100,11 @@ def launch_everything() -> None:
         q = torch.zeros(64, 3 * h, d, **f)
         prefill_attention(q[:, :h], q[:, h:2 * h], q[:, 2 * h:], cache, cache, torch.zeros(64, dtype=torch.int64),
                           torch.tensor([0, 64, 10, 0, 16, 0], dtype=torch.int32), torch.zeros(16, dtype=torch.int64))
+        moe = MoeConfig()  # Moondream 3's experts: few tokens (decode) and many (prefill) take other tiles
+        for t in (1, 64):
+            mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), torch.zeros(moe.n_experts, cfg.dim, **f),
+                            torch.zeros(moe.n_experts, **f), torch.zeros(moe.n_experts, 2 * moe.expert_inner_dim, cfg.dim, **f),
+                            torch.zeros(moe.n_experts, cfg.dim, moe.expert_inner_dim, **f), moe.n_experts_per_tok)
         vision = torch.zeros(729, VisionConfig().enc_dim, **f)
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
 

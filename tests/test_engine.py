@@ -393,10 +393,11 @@ def test_a_request_from_the_engine_loop_waits_no_extra_steps(engine):
     assert steps == 1 + token_index
 
 
-@pytest.mark.parametrize("name", ["md2-tiny-4bit", "md05-tiny"])
+@pytest.mark.parametrize("name", ["md2-tiny-4bit", "md05-tiny", "md3-tiny"])
 def test_other_checkpoints_serve_their_golden_answers(name, tiny_dir):
-    """A 4-bit checkpoint (dequantised as the reference does) and a 0.5B-style one (its own token ids and
-    templates from config.json) served by the engine, batched, equal the reference's answers."""
+    """A 4-bit checkpoint (dequantised as the reference does), a 0.5B-style one (its own token ids and
+    templates from config.json) and a Moondream 3 (experts, tau attention, a text-only query past position
+    4,096) served by the engine, all cases batched together, equal the reference's answers."""
     folder = tiny_dir.parent / name
     cases = [c for c in json.loads((folder / "cases.json").read_text())["cases"]
              if c["kind"] in ("query", "caption", "point", "detect")]
@@ -506,3 +507,39 @@ def test_ttft_counts_from_the_requests_arrival(engine, tiny_dir, monkeypatch):
     image = (tiny_dir / "images" / "wide.png").read_bytes() + b"\0"  # (bytes not seen before: decoded again)
     result = asyncio.run(engine.query(image, "What?", settings={"max_tokens": 2}))
     assert result.metrics["ttft_ms"] >= 300 > result.metrics["prefill_time_ms"]
+
+
+def test_moondream3_engine_streams_caches_prefixes_and_refuses_what_it_lacks(tiny_dir):
+    """Moondream 3 in the engine: a streamed answer joins to the golden text, a second question on an image hits
+    the prefix cache and still equals the golden answer, segment and adapters are clear errors for that request
+    only; no KV page stays held."""
+    folder = tiny_dir.parent / "md3-tiny"
+    cases = {c["name"]: c for c in json.loads((folder / "cases.json").read_text())["cases"]}
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32"))
+    try:
+        assert eng.max_context == 32768 and eng.model.name == "Moondream 3"
+        image = (folder / "images/small.png").read_bytes()
+        case = cases["query_small"]
+
+        async def streamed():
+            stream = await eng.submit_tokens("query", image, case["question_ids"], {"temperature": 0, "max_tokens": 24},
+                                             stream=True)
+            return "".join([chunk async for chunk in stream]), await stream.result()
+
+        text, result = asyncio.run(streamed())
+        assert text == result.output["answer"] == eng.model.tokenizer.decode(case["tokens"])
+        hits = eng.stats()["prefix_hits"]
+        _check_against_golden(eng, cases["point_small"], asyncio.run(parity.submit_case(eng, folder, cases["point_small"])))
+        assert eng.stats()["prefix_hits"] == hits + 1
+        with pytest.raises(InvalidRequest, match="segment is not implemented"):
+            asyncio.run(eng.segment(image, "cat"))
+        with pytest.raises(InvalidRequest, match="adapters are served for Moondream 2 only"):
+            asyncio.run(eng.query(image, "hi", settings={"adapter": "r8"}))
+        assert eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
+def test_segment_on_moondream2_names_the_skill_and_the_model(engine, tiny_dir):
+    with pytest.raises(InvalidRequest, match="segment is not supported by Moondream 2"):
+        asyncio.run(engine.segment((tiny_dir / "images/small.png").read_bytes(), "cat"))

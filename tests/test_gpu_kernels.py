@@ -298,13 +298,15 @@ def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc
 
 # one sequence: the attention inside the norm + qkv/fc1 kernel (split over the context, or not); two: the
 # GEMV kernels with the attention a kernel of its own; three: tensor cores for norm + qkv/fc1
-@pytest.mark.parametrize("n_seqs, splits, adapters", [(1, None, False), (1, 1, False), (2, None, False),
-                                                      (3, None, False), (1, None, True), (3, None, True)])
-def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n_seqs, splits, adapters):
+@pytest.mark.parametrize("n_seqs, splits, adapters, fixture", [
+    (1, None, False, "md2-tiny"), (1, 1, False, "md2-tiny"), (2, None, False, "md2-tiny"), (3, None, False, "md2-tiny"),
+    (1, None, True, "md2-tiny"), (3, None, True, "md2-tiny"), (1, None, False, "md3-tiny"), (3, None, False, "md3-tiny")])
+def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n_seqs, splits, adapters, fixture):
     """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch
     step, after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens:
     the interpreter runs every program in Python. With adapters: rows of adapters r8, none and r4 (from a
-    LoraPool of rank 16 slots) against the torch step's per-row deltas."""
+    LoraPool of rank 16 slots) against the torch step's per-row deltas. md3-tiny: Moondream 3's layers (tau from
+    each row's position, the expert kernels)."""
     import dataclasses
 
     from kestrel_backend.model.moondream import Moondream
@@ -312,6 +314,8 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
     from kestrel_backend.runtime.cuda_decode import StepTensors, fused_decode_step
     from kestrel_backend.runtime.kv_cache import PagedKVCache
 
+    if fixture != "md2-tiny":
+        tiny_model = Moondream.from_checkpoint(tiny_dir.parent / fixture, dtype=torch.float32)
     text = tiny_model.weights.text
     head = dataclasses.replace(text.lm_head, weight=text.lm_head.weight[:512], bias=text.lm_head.bias[:512])
     weights = dataclasses.replace(tiny_model.weights, text=dataclasses.replace(text, lm_head=head))
@@ -490,3 +494,21 @@ def test_step_inputs_pack_the_rows_in_segments_of_one_adapter(tiny_model):
     inputs.upload([1, 2, 3, 4], [0, 1, 2, 3], [1, 1, 1, 1], 4, buffer=1)
     inputs.copy_to_device(1)
     assert inputs.segments(4)[1].tolist() == [0] * 5
+
+
+@pytest.mark.parametrize("tokens, top_k", [(1, 3), (5, 3), (40, 2)])
+def test_expert_kernels_match_the_per_expert_loop(tokens, top_k):
+    """Moondream 3's grouped expert kernels (pairs sorted by expert, each expert's weights read once for all its
+    rows, more than one 16-row tile of them at 40 tokens) against text.moe_mlp's per-expert loop."""
+    from kestrel_backend.model.text import moe_mlp
+    from kestrel_backend.model.weights import Linear, MoE
+    from kestrel_backend.runtime.moe_kernels import moe_mlp_cuda
+
+    gen = torch.Generator().manual_seed(3)
+    dim, inner, experts = 128, 64, 8
+    moe = MoE(Linear(torch.randn(experts, dim, generator=gen), torch.randn(experts, generator=gen)),
+              torch.randn(experts, 2 * inner, dim, generator=gen) / dim ** 0.5,
+              torch.randn(experts, dim, inner, generator=gen) / inner ** 0.5, top_k)
+    x = torch.randn(tokens, dim, generator=gen)
+    got = moe_mlp_cuda(x, moe.router.weight, moe.router.bias, moe.fc1, moe.fc2, top_k)
+    assert rel_err(got, moe_mlp(x, moe)) < 1e-5

@@ -409,3 +409,34 @@ def test_http_generate_and_generate_stream_take_base64_images(triton_server, cli
         with pytest.raises(urllib.error.HTTPError) as error:
             _post(url, {"SKILL": "caption", "IMAGE": bad})
         assert message in error.value.read().decode()
+
+
+def test_moondream3_served_for_every_skill_equals_the_engine(tmp_path_factory, tiny_dir):
+    """A second real tritonserver serving the tiny Moondream 3 (found from its config.json, no flag): every skill,
+    streamed and not, equals the in-process engine; segment is a clear error and the server keeps serving."""
+    from conftest import TritonProcess
+
+    folder = tiny_dir.parent / "md3-tiny"
+    image = (folder / "images" / "medium.png").read_bytes()
+    server = TritonProcess(tmp_path_factory.mktemp("triton-md3"), KESTREL_MODEL_PATH=str(folder))
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32"))
+    try:
+        client = MoondreamClient(server["grpc"], timeout=120)
+        direct = lambda fn: asyncio.run(fn(eng)).output  # noqa: E731
+        assert client.query("What is it?", image=image, settings=GREEDY)["answer"] == \
+            direct(lambda e: e.query(image, "What is it?", settings=GREEDY))["answer"]
+        r = client.query("Think first.", image=image, reasoning=True, settings=GREEDY)
+        want = direct(lambda e: e.query(image, "Think first.", reasoning=True, settings=GREEDY))
+        assert (r["answer"], r["reasoning"]) == (want["answer"], want["reasoning"])
+        for length in ("short", "normal", "long"):
+            *chunks, final = list(client.stream("caption", image=image, length=length, settings=GREEDY))
+            assert "".join(c["chunk"] for c in chunks) + final["chunk"] == final["caption"] == \
+                direct(lambda e: e.caption(image, length, settings=GREEDY))["caption"]
+        assert client.point(image, "dog")["points"] == direct(lambda e: e.point(image, "dog"))["points"]
+        assert client.detect(image, "dog")["objects"] == direct(lambda e: e.detect(image, "dog"))["objects"]
+        with pytest.raises(MoondreamError, match="segment is not implemented"):
+            client.segment(image, "dog")
+        assert client.caption(image, "short", settings=GREEDY)["caption"]
+    finally:
+        eng.shutdown()
+        server.stop()

@@ -1,4 +1,10 @@
-"""Moondream 2 (and 0.5B) architecture config: frozen dataclasses, defaults are the official sizes."""
+"""Moondream architecture config: frozen dataclasses, defaults are Moondream 2's official sizes.
+
+A config.json whose text section has `moe` (or whose `model_type` is moondream3) is Moondream 3: a
+mixture-of-experts text model with tau attention, 32k context and linear region decoders. Its missing
+keys take Moondream 3's defaults, not Moondream 2's. The Hugging Face layout nests the sections under
+"config"; both that and the flat layout are read.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,16 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Mixture of experts in the text MLPs from layer start_layer on (Hugging Face key names)."""
+
+    n_experts: int = 64
+    n_experts_per_tok: int = 8
+    start_layer: int = 4
+    expert_inner_dim: int = 1024  # each expert's fc1 gives 2x this: the GELU half and the gate half
 
 
 @dataclass(frozen=True)
@@ -21,6 +37,8 @@ class TextConfig:
     rope_dim: int = 32  # rotary embedding covers the first 32 dims of each head
     rope_theta: float = 10000.0
     group_size: int | None = None  # 4-bit checkpoints: values per scale and zero point of the packed weights
+    moe: MoeConfig | None = None  # Moondream 3
+    tau_attn: bool = False  # Moondream 3: q and v scaled per head by token and position
 
     @property
     def head_dim(self) -> int:
@@ -56,6 +74,7 @@ class RegionConfig:
     size_out_dim: int = 2048
     inner_dim: int = 8192
     group_size: int | None = None  # as TextConfig's
+    decoder: str = "mlp"  # "mlp" (Moondream 2) or "linear" (Moondream 3: one Linear after the region's LayerNorm)
 
 
 def _default_templates() -> dict:
@@ -65,6 +84,13 @@ def _default_templates() -> dict:
         "detect": {"prefix": [1, 7235, 476, 2], "suffix": [3]},
         "point": {"prefix": [1, 2581, 2], "suffix": [3]},
     }
+
+
+def _moondream3_templates() -> dict:
+    templates = _default_templates()
+    templates["query"] = {"prefix": [1, 15381, 2], "answer_prefix": [3], "reasoning_prefix": [4]}
+    templates["segment"] = {"prefix": [1, 17374, 2], "suffix": [3]}
+    return templates
 
 
 @dataclass(frozen=True)
@@ -78,6 +104,8 @@ class TokenizerConfig:
     start_ground_points_id: int = 7
     end_ground_id: int = 9
     templates: dict = field(default_factory=_default_templates)
+    # Moondream 3 never lets an answer start with the answer marker; Moondream 2 bans it after the first token
+    answer_marker_banned_from_start: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,14 +117,21 @@ class MoondreamConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoondreamConfig":
+        if isinstance(d.get("config"), dict):  # the Hugging Face layout
+            model_type, d = d.get("model_type"), d["config"]
+        else:
+            model_type = d.get("model_type")
+        moondream3 = model_type == "moondream3" or "moe" in (d.get("text") or {})
         parts = {}
         for name, part_cls in [("text", TextConfig), ("vision", VisionConfig), ("region", RegionConfig),
                                ("tokenizer", TokenizerConfig)]:
-            values = d.get(name, {}) or {}
+            values = {**(_MOONDREAM3_DEFAULTS[name] if moondream3 else {}), **(d.get(name) or {})}
             known = {f.name for f in dataclasses.fields(part_cls)}
-            unknown = sorted(set(values) - known)
+            unknown = sorted(set(values) - known - _IGNORED_KEYS.get(name, set()))
             if unknown:
                 raise ValueError(f"config.json: unknown {name} keys {unknown}")
+            if name == "text" and isinstance(values.get("moe"), dict):
+                values["moe"] = _moe_config(values["moe"])
             parts[name] = part_cls(**{k: v for k, v in values.items() if k in known})
         config = cls(**parts)
         config.validate()
@@ -106,6 +141,10 @@ class MoondreamConfig:
     def from_file(cls, path: str | Path) -> "MoondreamConfig":
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+    @property
+    def is_moondream3(self) -> bool:
+        return self.text.moe is not None
 
     def validate(self) -> None:
         t, v = self.text, self.vision
@@ -119,3 +158,31 @@ class MoondreamConfig:
             raise ValueError("config.json: text prefix_attn must equal 1 + (crop_size/patch)^2")
         if self.region.dim != t.dim or v.proj_out_dim != t.dim:
             raise ValueError("config.json: region dim and vision proj_out_dim must equal text dim")
+        if self.region.decoder not in ("mlp", "linear"):
+            raise ValueError(f"config.json: region decoder must be mlp or linear, got {self.region.decoder!r}")
+        if t.moe is not None and not 0 < t.moe.n_experts_per_tok <= t.moe.n_experts:
+            raise ValueError("config.json: text moe n_experts_per_tok must be between 1 and n_experts")
+        if t.tau_attn and t.n_kv_heads != t.n_heads:
+            raise ValueError("config.json: tau attention needs n_kv_heads == n_heads")
+
+
+_MOONDREAM3_DEFAULTS = {
+    "text": {"max_context": 32768, "rope_theta": 1_500_000.0, "moe": {}, "tau_attn": True},
+    "vision": {},
+    "region": {"decoder": "linear"},
+    "tokenizer": {"templates": _moondream3_templates(), "answer_marker_banned_from_start": True},
+}
+# Keys of the official configs that describe nothing this engine varies (Hugging Face's
+# Moondream 3 text config: the BOS token's place in the bidirectional prefix, always 1).
+_IGNORED_KEYS = {"text": {"prefix_lm_left_padding"}}
+# Other spellings of the MoE keys (Kestrel's config names them so).
+_MOE_ALIASES = {"num_experts": "n_experts", "experts_per_token": "n_experts_per_tok"}
+
+
+def _moe_config(values: dict) -> MoeConfig:
+    values = {_MOE_ALIASES.get(k, k): v for k, v in values.items()}
+    known = {f.name for f in dataclasses.fields(MoeConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"config.json: unknown text moe keys {unknown}")
+    return MoeConfig(**values)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# The official repository and the file patterns a Moondream 2 checkpoint needs.
-MODELS = {"moondream2": "vikhyatk/moondream2"}
+# The official repositories (moondream3-preview is gated: HF_TOKEN must hold a token with access).
+MODELS = {"moondream2": "vikhyatk/moondream2", "moondream3-preview": "moondream/moondream3-preview"}
+# Repositories whose tokenizer lives in a repository of its own.
+TOKENIZERS = {"moondream/moondream3-preview": "moondream/starmie-v1"}
 CHECKPOINT_PATTERNS = ["*.safetensors", "config.json", "tokenizer.json"]
 
 
@@ -14,6 +16,15 @@ def resolve_checkpoint(model: str, revision: str | None = None, cache_dir: str |
     from huggingface_hub import snapshot_download
 
     repo_id = MODELS.get(model, model)
-    folder = snapshot_download(repo_id=repo_id, revision=revision, cache_dir=cache_dir,
-                               allow_patterns=CHECKPOINT_PATTERNS)
-    return Path(folder)
+    return Path(snapshot_download(repo_id=repo_id, revision=revision, cache_dir=cache_dir,
+                                  allow_patterns=CHECKPOINT_PATTERNS))
+
+
+def resolve_tokenizer(model: str, cache_dir: str | None = None) -> Path | None:
+    """The folder of the model's tokenizer.json where its repository keeps none (else None)."""
+    repo_id = TOKENIZERS.get(MODELS.get(model, model))
+    if repo_id is None:
+        return None
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id=repo_id, cache_dir=cache_dir, allow_patterns=["tokenizer.json"]))

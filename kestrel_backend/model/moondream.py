@@ -1,4 +1,4 @@
-"""Moondream 2 (and 0.5B): the model as a set of functions over plain weights, ready for any KV cache."""
+"""Moondream 2, 0.5B and 3: the model as a set of functions over plain weights, ready for any KV cache."""
 
 from __future__ import annotations
 
@@ -22,16 +22,18 @@ class Moondream:
         self.rope = text.rope_table(config.text, self.device)
 
     @classmethod
-    def from_checkpoint(cls, folder: str | Path, dtype=torch.float32, device="cpu") -> "Moondream":
-        """A folder with config.json (optional: official sizes), weights, and tokenizer.json (optional)."""
+    def from_checkpoint(cls, folder: str | Path, dtype=torch.float32, device="cpu",
+                        tokenizer_dir: str | Path | None = None) -> "Moondream":
+        """A folder with config.json (optional: Moondream 2's official sizes), weights, and tokenizer.json
+        (optional; or in tokenizer_dir)."""
         from .tokenizer import load_tokenizer
 
         folder = Path(folder)
         config_path = folder / "config.json" if folder.is_dir() else folder.with_name("config.json")
         config = MoondreamConfig.from_file(config_path) if config_path.exists() else MoondreamConfig()
         weights = load_weights(folder, config, dtype=dtype, device=device)
-        tokenizer_dir = folder if folder.is_dir() else folder.parent
-        return cls(config, weights, load_tokenizer(tokenizer_dir))
+        tokenizer_dir = tokenizer_dir or (folder if folder.is_dir() else folder.parent)
+        return cls(config, weights, load_tokenizer(Path(tokenizer_dir)))
 
     # --- vision ---
     def encode_image(self, image: np.ndarray) -> torch.Tensor:
@@ -80,6 +82,20 @@ class Moondream:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return text.lm_head(hidden, self.weights.text).float()
+
+    @property
+    def name(self) -> str:
+        return "Moondream 3" if self.config.is_moondream3 else "Moondream 2"
+
+    def ends_object_list(self, token: int, hidden: torch.Tensor) -> bool:
+        """Whether point/detect stops instead of decoding another object. Moondream 2 stops when the chosen token
+        is EOS; Moondream 3 chooses between EOS and the coordinate token only, by their logits."""
+        tok = self.config.tokenizer
+        if not self.config.is_moondream3:
+            return token == tok.eos_id
+        ids = torch.tensor([tok.eos_id, tok.coord_id], device=hidden.device)
+        eos, coord = text.lm_head_rows(hidden, self.weights.text, ids).float().tolist()
+        return eos > coord
 
     # --- region heads ---
     def coordinate(self, hidden: torch.Tensor) -> torch.Tensor:

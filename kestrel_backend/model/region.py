@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from .layers import linear, mlp
-from .weights import RegionWeights
+from .layers import layer_norm, linear, mlp
+from .weights import MLP, RegionWeights
 
 
 def _fourier(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -20,9 +20,16 @@ def encode_coordinate(coord: torch.Tensor, w: RegionWeights) -> torch.Tensor:
     return linear(_fourier(coord, w.coord_features), w.coord_encoder)
 
 
+def _decode(hidden: torch.Tensor, decoder, w: RegionWeights) -> torch.Tensor:
+    """Moondream 2: an MLP on the hidden state; Moondream 3: one Linear after the region's LayerNorm."""
+    if isinstance(decoder, MLP):
+        return mlp(hidden, decoder)
+    return linear(layer_norm(hidden, w.ln), decoder)
+
+
 def decode_coordinate(hidden: torch.Tensor, w: RegionWeights) -> torch.Tensor:
     """[..., dim] -> [..., bins] logits over the coordinate bins."""
-    return mlp(hidden, w.coord_decoder)
+    return _decode(hidden, w.coord_decoder, w)
 
 
 def encode_size(size: torch.Tensor, w: RegionWeights) -> torch.Tensor:
@@ -32,7 +39,7 @@ def encode_size(size: torch.Tensor, w: RegionWeights) -> torch.Tensor:
 
 def decode_size(hidden: torch.Tensor, w: RegionWeights) -> torch.Tensor:
     """[..., dim] -> [..., 2, bins] logits for width and height on a log2 scale."""
-    out = mlp(hidden, w.size_decoder)
+    out = _decode(hidden, w.size_decoder, w)
     return out.view(*out.shape[:-1], 2, -1)
 
 

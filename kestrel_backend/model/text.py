@@ -1,4 +1,5 @@
-"""Text decoder: parallel attention + MLP blocks, partial rotary embeddings, LM head.
+"""Text decoder: parallel attention + MLP blocks, partial rotary embeddings, LM head. Moondream 3's blocks
+add tau attention (q and v scaled per head) and mixture-of-experts MLPs past its first layers.
 
 Attention is pluggable: the decoder hands each layer's q, k, v for a flat list of tokens to an
 `Attention` object, which stores k/v in its cache and returns the attention output. The dense
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from .config import TextConfig
 from .layers import layer_norm, linear, mlp, mlp_hidden
 from .lora import LoraRows
-from .weights import TextBlock, TextWeights
+from .weights import MoE, Tau, TextBlock, TextWeights
 
 
 class Attention(Protocol):
@@ -39,6 +40,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos[:, None, :], sin[:, None, :]
     out = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1).flatten(-2)
     return torch.cat([out.to(x.dtype), x_pass], dim=-1)
+
+
+def tau_scales(qkv: torch.Tensor, positions: torch.Tensor, tau: Tau) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moondream 3's per-token, per-head scales of q and v [T, H]: a token part from the whole qkv projection
+    (exact GELU, then tanh of a small matmul) plus a position part that grows with log(position + 1)."""
+    feat = F.gelu(qkv)
+    by_position = 0.5 + torch.sigmoid(tau.alpha.float()[None, :] * torch.log1p(positions.float())[:, None])
+    return (torch.tanh(feat @ tau.wq.t()) + by_position).to(qkv.dtype), \
+        (torch.tanh(feat @ tau.wv.t()) + by_position).to(qkv.dtype)
+
+
+def apply_tau(qkv: torch.Tensor, positions: torch.Tensor, tau: Tau, config: TextConfig) -> torch.Tensor:
+    """qkv with its q and v heads scaled by tau_scales (a new tensor; tau needs n_kv_heads == n_heads)."""
+    n, hd, heads = qkv.shape[0], config.head_dim, config.n_heads
+    scale_q, scale_v = tau_scales(qkv, positions, tau)
+    ones = torch.ones_like(scale_q)
+    return (qkv.view(n, 3, heads, hd) * torch.stack([scale_q, ones, scale_v], dim=1)[..., None]).view(n, -1)
+
+
+def moe_mlp(x: torch.Tensor, moe: MoE) -> torch.Tensor:
+    """[T, dim] -> [T, dim]: each token through its top-k experts, weighted by the softmax of their router
+    logits. Experts run one after another over the tokens routed to them (on a GPU: grouped kernels, no sync)."""
+    if x.is_cuda:
+        from ..runtime.moe_kernels import moe_mlp_cuda
+
+        return moe_mlp_cuda(x, moe.router.weight, moe.router.bias, moe.fc1, moe.fc2, moe.top_k)
+    logits = linear(x, moe.router)
+    top_logits, top_ids = torch.topk(logits, moe.top_k, dim=-1)
+    weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
+    out = torch.zeros_like(x)
+    inner = moe.fc2.shape[-1]
+    for expert in torch.unique(top_ids).tolist():
+        rows, slot = (top_ids == expert).nonzero(as_tuple=True)
+        h, g = F.linear(x[rows], moe.fc1[expert]).split(inner, dim=-1)
+        y = F.linear(F.gelu(h) * (g + 1.0), moe.fc2[expert])
+        out.index_add_(0, rows, y * weights[rows, slot, None])
+    return out
 
 
 def split_qkv_with_rope(qkv: torch.Tensor, cos, sin, config: TextConfig):
@@ -72,9 +110,15 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
         qkv = linear(h, block.qkv)
         if lora is not None:
             lora.add(qkv, h, i, "qkv")
+        if block.tau is not None:
+            qkv = apply_tau(qkv, positions, block.tau, config)
         q, k, v = split_qkv_with_rope(qkv, cos, sin, config)
         out = attention(i, q, k, v).reshape(n, -1)
-        if lora is not None:
+        if block.moe is not None:
+            if lora is not None:
+                raise ValueError("LoRA adapters are for Moondream 2's dense MLPs; this model's MLPs are experts")
+            x = x + linear(out, block.proj) + moe_mlp(h, block.moe)
+        elif lora is not None:
             attn_out, mlp_out = _block_outputs_with_lora(h, out, block, lora, i)
             x = x + attn_out + mlp_out
         elif x.is_cuda:  # residual adds folded into the two output GEMMs (beta = 1): two kernels less per layer
@@ -97,6 +141,11 @@ def _block_outputs_with_lora(h: torch.Tensor, out: torch.Tensor, block: TextBloc
 
 def lm_head(hidden: torch.Tensor, w: TextWeights) -> torch.Tensor:
     return linear(layer_norm(hidden, w.post_ln), w.lm_head)
+
+
+def lm_head_rows(hidden: torch.Tensor, w: TextWeights, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of the vocabulary ids only."""
+    return F.linear(layer_norm(hidden, w.post_ln), w.lm_head.weight[ids], w.lm_head.bias[ids])
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, prefix_len: int) -> torch.Tensor:

@@ -1,7 +1,11 @@
-"""Checkpoint loading: safetensors or .pt, in both official Moondream 2 tensor-name layouts, 4-bit or not.
+"""Checkpoint loading: safetensors or .pt, in both official Moondream 2 tensor-name layouts, 4-bit or not,
+and Moondream 3's.
 
 Current layout: model.vision.blocks.N.*, model.text.blocks.N.*, model.region.*
 Legacy layout:  vision_encoder.encoder.model.visual.*, text_model.transformer.h.N.*, region_model.*
+Moondream 3 (current layout) adds model.text.blocks.N.attn.tau.{alpha,wq,wv}; its MoE layers hold
+mlp.router.{weight,bias} and the experts' stacked mlp.fc1.weight [E, 2 * inner, dim] and mlp.fc2.weight
+[E, dim, inner] (no biases); its region decoders are single Linears after model.region.ln.
 Both are normalised to the current names (without "model."), checked against the shapes the
 config implies, and turned into plain tensors grouped in small dataclasses.
 """
@@ -59,12 +63,34 @@ class VisionWeights:
 
 
 @dataclass
+class Tau:
+    """Moondream 3's per-head q and v scales: tanh(gelu(qkv) @ w^T) + 1 + sigmoid(alpha * log(pos + 1)) - 0.5."""
+
+    alpha: torch.Tensor  # [heads]
+    wq: torch.Tensor  # [heads, qkv_dim]
+    wv: torch.Tensor  # [heads, qkv_dim]
+
+
+@dataclass
+class MoE:
+    """Moondream 3's expert MLPs: each token goes to its top-k experts by router logit, weighted by the softmax
+    of those k logits; an expert computes fc2(gelu(h) * (g + 1)) where fc1 gives [h, g]."""
+
+    router: Linear  # [E, dim]
+    fc1: torch.Tensor  # [E, 2 * inner, dim]
+    fc2: torch.Tensor  # [E, dim, inner]
+    top_k: int
+
+
+@dataclass
 class TextBlock:
     ln: LayerNorm
     qkv: Linear
     proj: Linear
-    mlp: MLP
-    out_bias: torch.Tensor  # proj.bias + mlp.fc2.bias: both land on the same residual
+    mlp: MLP | None  # None in MoE layers
+    out_bias: torch.Tensor  # proj.bias + mlp.fc2.bias: both land on the same residual (proj.bias alone with MoE)
+    tau: Tau | None = None
+    moe: MoE | None = None
 
 
 @dataclass
@@ -79,10 +105,11 @@ class TextWeights:
 class RegionWeights:
     coord_features: torch.Tensor
     coord_encoder: Linear
-    coord_decoder: MLP
+    coord_decoder: MLP | Linear  # Linear (after ln) on Moondream 3
     size_features: torch.Tensor
     size_encoder: Linear
-    size_decoder: MLP
+    size_decoder: MLP | Linear
+    ln: LayerNorm | None = None  # Moondream 3: normalises the hidden state before either decoder
 
 
 @dataclass
@@ -127,20 +154,38 @@ def expected_shapes(config: MoondreamConfig) -> dict[str, tuple[int, ...]]:
         norm(f"{b}.ln", t.dim)
         linear(f"{b}.attn.qkv", t.dim, qkv_dim)
         linear(f"{b}.attn.proj", t.dim, t.dim)
-        linear(f"{b}.mlp.fc1", t.dim, t.ff_dim)
-        linear(f"{b}.mlp.fc2", t.ff_dim, t.dim)
+        if t.tau_attn:
+            shapes[f"{b}.attn.tau.alpha"] = (t.n_heads,)
+            shapes[f"{b}.attn.tau.wq"] = (t.n_heads, qkv_dim)
+            shapes[f"{b}.attn.tau.wv"] = (t.n_heads, qkv_dim)
+        if is_moe_layer(t, i):
+            linear(f"{b}.mlp.router", t.dim, t.moe.n_experts)
+            shapes[f"{b}.mlp.fc1.weight"] = (t.moe.n_experts, 2 * t.moe.expert_inner_dim, t.dim)
+            shapes[f"{b}.mlp.fc2.weight"] = (t.moe.n_experts, t.dim, t.moe.expert_inner_dim)
+        else:
+            linear(f"{b}.mlp.fc1", t.dim, t.ff_dim)
+            linear(f"{b}.mlp.fc2", t.ff_dim, t.dim)
     norm("text.post_ln", t.dim)
     linear("text.lm_head", t.dim, t.vocab_size)
 
     shapes["region.coord_features"] = (1, r.coord_feat_dim // 2)
     linear("region.coord_encoder", r.coord_feat_dim, r.dim)
-    linear("region.coord_decoder.fc1", r.dim, r.inner_dim)
-    linear("region.coord_decoder.fc2", r.inner_dim, r.coord_out_dim)
     shapes["region.size_features"] = (2, r.size_feat_dim // 2)
     linear("region.size_encoder", r.size_feat_dim, r.dim)
-    linear("region.size_decoder.fc1", r.dim, r.inner_dim)
-    linear("region.size_decoder.fc2", r.inner_dim, r.size_out_dim)
+    if r.decoder == "linear":
+        norm("region.ln", r.dim)
+        linear("region.coord_decoder", r.dim, r.coord_out_dim)
+        linear("region.size_decoder", r.dim, r.size_out_dim)
+    else:
+        linear("region.coord_decoder.fc1", r.dim, r.inner_dim)
+        linear("region.coord_decoder.fc2", r.inner_dim, r.coord_out_dim)
+        linear("region.size_decoder.fc1", r.dim, r.inner_dim)
+        linear("region.size_decoder.fc2", r.inner_dim, r.size_out_dim)
     return shapes
+
+
+def is_moe_layer(config, layer: int) -> bool:
+    return config.moe is not None and layer >= config.moe.start_layer
 
 
 _LEGACY_VISUAL = "vision_encoder.encoder.model.visual."
@@ -315,18 +360,30 @@ def build_weights(state: dict[str, torch.Tensor], config: MoondreamConfig,
         proj_mlp=mlp("vision.proj_mlp"),
         bias_sums=_residual_bias_sums(vision_blocks),
     )
+    def text_block(i):
+        b, tc = f"text.blocks.{i}", config.text
+        tau = Tau(t(f"{b}.attn.tau.alpha"), t(f"{b}.attn.tau.wq"), t(f"{b}.attn.tau.wv")) if tc.tau_attn else None
+        if is_moe_layer(tc, i):
+            moe = MoE(linear(f"{b}.mlp.router"), t(f"{b}.mlp.fc1.weight"), t(f"{b}.mlp.fc2.weight"),
+                      tc.moe.n_experts_per_tok)
+            proj = linear(f"{b}.attn.proj")
+            return TextBlock(norm(f"{b}.ln"), linear(f"{b}.attn.qkv"), proj, None, proj.bias, tau, moe)
+        block = _text_block(norm(f"{b}.ln"), linear(f"{b}.attn.qkv"), linear(f"{b}.attn.proj"), mlp(f"{b}.mlp"))
+        block.tau = tau
+        return block
+
     text = TextWeights(
         wte=t("text.wte"),
-        blocks=[_text_block(norm(f"text.blocks.{i}.ln"), linear(f"text.blocks.{i}.attn.qkv"),
-                            linear(f"text.blocks.{i}.attn.proj"), mlp(f"text.blocks.{i}.mlp"))
-                for i in range(config.text.n_layers)],
+        blocks=[text_block(i) for i in range(config.text.n_layers)],
         post_ln=norm("text.post_ln"),
         lm_head=linear("text.lm_head"),
     )
+    decoder = linear if config.region.decoder == "linear" else mlp
     region = RegionWeights(
         coord_features=t("region.coord_features"), coord_encoder=linear("region.coord_encoder"),
-        coord_decoder=mlp("region.coord_decoder"), size_features=t("region.size_features"),
-        size_encoder=linear("region.size_encoder"), size_decoder=mlp("region.size_decoder"),
+        coord_decoder=decoder("region.coord_decoder"), size_features=t("region.size_features"),
+        size_encoder=linear("region.size_encoder"), size_decoder=decoder("region.size_decoder"),
+        ln=norm("region.ln") if config.region.decoder == "linear" else None,
     )
     return MoondreamWeights(vision, text, region)
 
@@ -358,7 +415,7 @@ def random_state(config: MoondreamConfig, dtype: torch.dtype = torch.bfloat16, d
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, shape in expected_shapes(config).items():
-        scale = 1.0 / (shape[-1] ** 0.5) if len(shape) == 2 and name.endswith("weight") else 0.02
+        scale = 1.0 / (shape[-1] ** 0.5) if len(shape) >= 2 and name.endswith(("weight", "wq", "wv")) else 0.02
         state[name] = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(scale).to(dtype)
         if re.search(r"(ln\d?|post_ln)\.weight$", name):
             state[name].fill_(1.0)

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from ..model.moondream import Moondream
-from ..model.layers import layer_norm, linear, mlp_hidden
+from ..model.layers import layer_norm, linear, mlp, mlp_hidden
+from ..model.text import apply_tau, moe_mlp
 from .cuda_graphs import CapturedGraphs
 from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, gpu_paths, greedy_tokens, linear2_residual,
                              norm_linear, norm_linear_attention, one_kernel_counters, rotary_paged_attention)
@@ -48,13 +49,18 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     adapter's deltas (lora_kernels); qkv and fc1 then come from cuBLAS, whatever the row count."""
     cfg, w, page = model.config.text, model.weights.text, cache.page_size
     gemv = x.shape[0] <= GEMV_MAX_ROWS and lora is None
-    one_kernel = gemv and x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR
+    one_kernel = gemv and x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR and \
+        cfg.moe is None
     sync, best = _step_counters(len(w.blocks), cfg.n_heads, x.shape[0], one_kernel, gemv and greedy_out is not None,
                                 x.device)
     if lora is not None:  # every layer's shrunk values, summed atomically: zeroed once for the step
         pool, segs = lora
         shrunk = torch.zeros(len(w.blocks), x.shape[0], 4 * pool.rank_cap, device=x.device, dtype=torch.float32)
     for i, block in enumerate(w.blocks):
+        last = i == len(w.blocks) - 1  # (straight into hidden_out: no copy node between it and the LM head)
+        if block.tau is not None:  # Moondream 3's layers
+            x = _moondream3_layer(x, block, cfg, cache, i, inputs, context_splits, hidden_out if last else None)
+            continue
         if one_kernel:
             out, g = norm_linear_attention(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
                                            block.mlp.fc1.weight, block.mlp.fc1.bias, inputs.cos, inputs.sin,
@@ -74,7 +80,6 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
                 qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
             out = rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[i], cache.v[i], inputs.block_tables,
                                          inputs.seq_lens, inputs.slots, cfg.n_heads, page, splits=context_splits)
-        last = i == len(w.blocks) - 1  # (straight into hidden_out: no copy node between it and the LM head)
         x = linear2_residual(out, block.proj.weight, g, block.mlp.fc2.weight, x, block.out_bias,
                              out=hidden_out if last else None)
         if lora is not None:
@@ -87,6 +92,19 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     else:
         logits_out.copy_(model.logits(x))
     return x
+
+
+def _moondream3_layer(x: torch.Tensor, block, cfg, cache: PagedKVCache, i: int, inputs: "StepTensors",
+                      context_splits: int | None, out: torch.Tensor | None) -> torch.Tensor:
+    """One Moondream 3 layer of a decode step: cuBLAS for qkv and proj, tau from each row's position (its
+    length less one), the paged attention kernel, the dense MLP or the grouped expert kernels."""
+    h = layer_norm(x, block.ln)
+    qkv = apply_tau(linear(h, block.qkv), inputs.seq_lens - 1, block.tau, cfg)
+    attn = rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[i], cache.v[i], inputs.block_tables,
+                                  inputs.seq_lens, inputs.slots, cfg.n_heads, cache.page_size, splits=context_splits)
+    mlp_out = moe_mlp(h, block.moe) if block.moe is not None else mlp(h, block.mlp)
+    new = torch.addmm(block.proj.bias, attn, block.proj.weight.t()).add_(mlp_out).add_(x)
+    return out.copy_(new) if out is not None else new
 
 
 def _step_counters(layers: int, heads: int, rows: int, one_kernel: bool, greedy: bool, device):

@@ -68,7 +68,7 @@ class TextGeneration(Generation):
         self._seed = _seed(settings) if seed is None else seed
 
     def choice(self) -> Choice:
-        banned = (self.tok.answer_id,) if self._steps else ()
+        banned = (self.tok.answer_id,) if self._steps or self.tok.answer_marker_banned_from_start else ()
         return Choice(self.settings.temperature, self.settings.top_p, self._seed, self._steps, banned)
 
     def on_output(self, token, hidden) -> NextInput:
@@ -113,7 +113,7 @@ class ReasoningThenAnswer(Generation):
         self._steps += 1
         if token == self.tok.answer_id or len(self.reasoning_tokens) >= self.settings.max_tokens:
             self.answer = TextGeneration(self.tok, self.settings, seed=self._seed + 1)
-            return self.tok.templates["query"]["suffix"][0]
+            return self.tok.answer_id
         if token in (self.tok.start_ground_points_id, self.tok.end_ground_id):
             self.chunks.append([])
             self.coords.append([])
@@ -139,7 +139,7 @@ class RegionGeneration(Generation):
     def on_output(self, token, hidden) -> NextInput:
         m = self.model
         if self._state == "token":
-            if token == self.tok.eos_id:
+            if m.ends_object_list(token, hidden):
                 self._finish("stop")
                 return None
             if len(self.objects) >= self.max_objects:

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import InvalidRequest
 from ..runtime.sequence import EngineResult
 
-SKILLS = ("query", "caption", "detect", "point")
+SKILLS = ("query", "caption", "detect", "point", "segment")
 
 
 @dataclass(frozen=True)
