@@ -124,10 +124,22 @@ def ceilings() -> dict:
             "bf16_matmul_sustained_TFLOPs": flop / (ms_sustained / 1000) / 1e12}
 
 
-def text_weight_bytes(config: MoondreamConfig) -> int:
+def text_weight_bytes(config: MoondreamConfig, rows: int = 1) -> int:
+    """bf16 bytes of the text weights a decode step of `rows` sequences reads (biases aside). Moondream 3: its dense
+    layers, and in each expert layer the router and the experts the rows chose: top-k for one row, for more the
+    expected number of distinct experts under uniform routing, E * (1 - (1 - k / E)^rows)."""
     t = config.text
-    per_layer = t.dim * (t.dim + 2 * t.n_kv_heads * t.head_dim) + t.dim * t.dim + 2 * t.dim * t.ff_dim
-    return 2 * (t.n_layers * per_layer + t.dim * t.vocab_size)
+    qkv = t.dim + 2 * t.n_kv_heads * t.head_dim
+    attention = t.dim * qkv + t.dim * t.dim + (2 * t.n_heads * qkv if t.tau_attn else 0)
+    total = t.n_layers * attention + t.dim * t.vocab_size
+    for layer in range(t.n_layers):
+        if t.moe is not None and layer >= t.moe.start_layer:
+            m = t.moe
+            experts = m.n_experts * (1 - (1 - m.n_experts_per_tok / m.n_experts) ** rows)
+            total += t.dim * m.n_experts + int(experts * 3 * t.dim * m.expert_inner_dim)
+        else:
+            total += 2 * t.dim * t.ff_dim
+    return 2 * total
 
 
 def decode_steps(model: Moondream, batches, context: int, bandwidth: float, backend: str,
@@ -167,7 +179,7 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
         finally:
             dk.PDL_ENABLED = True
         kv_bytes = bsz * (context + 4) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
-        floor = (text_weight_bytes(model.config) + kv_bytes) / bandwidth * 1000
+        floor = (text_weight_bytes(model.config, bsz) + kv_bytes) / bandwidth * 1000
         rows.append({"backend": backend + (f", prefix shared by {sharing}" if sharing > 1 else ""), "batch": bsz,
                      "context": context, "step_ms": ms, "floor_ms": floor,
                      "ratio": ms / floor, "tokens_per_s": bsz / ms * 1000})
@@ -266,19 +278,22 @@ def one_kernel_check(cfg, f: dict, runs: int = 30) -> dict:
     return out
 
 
-def engine_golden_check() -> dict:
+def engine_golden_check(fixture_name: str = "md2-tiny") -> dict:
     """The whole GPU engine path (prefill, CUDA-graph decode of fused kernels, batched sampling) in float32
     against the reference's greedy tokens and boxes on the tiny fixture: 32 mixed requests at once (a bucket of
     MANY_ROWS sequences: past 640 positions its attention is split over the context), the same 32 again (their
     image prefixes now from the prefix cache: a prefill step of several sequences after cached positions), then
     each case alone (one-sequence steps take the GEMV kernels, launched with PDL; the
     image cases prefill after their cached prefix in a graph). The cases with adapters decode in the LoRA
-    graphs, beside rows without."""
-    fixture = ROOT / "tests" / "fixtures" / "md2-tiny"
+    graphs, beside rows without. fixture_name: another golden fixture (md3-tiny: Moondream 3's layers in the
+    decode graphs, its expert kernels in prefill and decode)."""
+    fixture = ROOT / "tests" / "fixtures" / fixture_name
+    adapters = fixture / "adapters"
     cases = [c for c in json.loads((fixture / "cases.json").read_text())["cases"]
              if c["kind"] in ("query", "caption", "point", "detect")]
     engine = InferenceEngine.create(RuntimeConfig(model_path=str(fixture), device="cuda", dtype="float32",
-                                                  max_batch_size=32, adapter_dir=str(fixture / "adapters")))
+                                                  max_batch_size=32,
+                                                  adapter_dir=str(adapters) if adapters.is_dir() else ""))
     try:
         async def run():
             batch = (cases * 3)[:32]

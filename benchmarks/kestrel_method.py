@@ -15,7 +15,8 @@ Floor of a burst (GPU only): the vision FLOPs of every image's crops and the pre
 first on an image prefills its prefix, the second only its own tokens) over the measured matmul rate, plus the
 decode steps' bytes (weights once a step at full batches, and each step's KV reads) over the measured copy rate.
 
-    python benchmarks/kestrel_method.py [--batch-sizes 1 4 16 64] [--images 256] [--triton] [--out out.json]
+    python benchmarks/kestrel_method.py [--model moondream2|moondream3] [--batch-sizes 1 4 16 64] [--images 256]
+        [--triton] [--out out.json]
         [--kestrel-rows side_by_side.json]   # Kestrel measured on the same machine: {"direct": {"64": [req/s, p50]}, ...}
     python benchmarks/kestrel_method.py --checkpoint tests/fixtures/md2-tiny --images 4 --batch-sizes 2  (CPU smoke)
 """
@@ -39,9 +40,13 @@ from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.image_crops import overlap_crops  # noqa: E402
 
-# Kestrel's published H100 figures, Moondream 2 (req/s, P50 ms), its PERFORMANCE.md.
-KESTREL_PUBLISHED = {"direct": {1: (41.9, 36.7), 4: (50.6, 68.9), 16: (55.1, 143), 64: (57.0, 332)},
-                     "cot": {1: (16.2, 110), 4: (22.7, 183), 16: (43.7, 292), 64: (48.8, 873)}}
+# Kestrel's published H100 figures (req/s, P50 ms), its PERFORMANCE.md: Moondream 2, and Moondream 3 (FP8 experts).
+KESTREL_PUBLISHED = {
+    "moondream2": {"direct": {1: (41.9, 36.7), 4: (50.6, 68.9), 16: (55.1, 143), 64: (57.0, 332)},
+                   "cot": {1: (16.2, 110), 4: (22.7, 183), 16: (43.7, 292), 64: (48.8, 873)}},
+    "moondream3": {"direct": {1: (34.6, 46.9), 4: (42.4, 83.5), 16: (49.1, 167), 64: (53.0, 371)},
+                   "cot": {1: (13.5, 132), 4: (20.8, 195), 16: (31.7, 418), 64: (41.5, 1027)}},
+}
 OUTPUT_TOKENS = {"direct": 3, "cot": 30}
 QUESTIONS = ["What is the value of the highest bar?", "Which category has the lowest value?",
              "What is the difference between the first and the last value?", "How many bars are there?",
@@ -102,7 +107,7 @@ def floor_s(config: MoondreamConfig, pairs, question_tokens: list[int], out_toke
     steps = -(-len(pairs) // batch) * out_tokens
     kv_per_token = t.n_layers * 2 * t.n_kv_heads * t.head_dim * 2
     kv_bytes = len(pairs) * sum(t.prefix_attn + 20 + i for i in range(out_tokens)) * kv_per_token
-    decode_bytes = steps * text_weight_bytes(config) + kv_bytes
+    decode_bytes = steps * text_weight_bytes(config, batch) + kv_bytes
     return flops / (ceilings["bf16_matmul_TFLOPs"] * 1e12) + decode_bytes / (ceilings["copy_bandwidth_GBps"] * 1e9)
 
 
@@ -197,6 +202,8 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=["direct", "cot"], choices=["direct", "cot"])
     p.add_argument("--images", type=int, default=256, help="images a burst (two questions each)")
     p.add_argument("--checkpoint", type=Path, help="a checkpoint folder (default: full-size random bf16 weights)")
+    p.add_argument("--model", default="moondream2", choices=sorted(KESTREL_PUBLISHED),
+                   help="the family of the random weights and of Kestrel's published figures")
     p.add_argument("--triton", action="store_true", help="also through tritonserver (the nvidia-pytriton wheel)")
     p.add_argument("--client-processes", type=int, default=4)
     p.add_argument("--grpc-port", type=int, default=8201)
@@ -214,7 +221,7 @@ def main() -> int:
         model = Moondream.from_checkpoint(args.checkpoint, dtype=torch.bfloat16 if cuda else torch.float32,
                                           device="cuda" if cuda else "cpu")
     else:
-        config = MoondreamConfig()
+        config = MoondreamConfig.from_dict({"model_type": "moondream3"} if args.model == "moondream3" else {})
         model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"),
                           load_tokenizer(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny"))
     ceilings = None
@@ -249,13 +256,14 @@ def main() -> int:
           "| ours / published | Kestrel here req/s (P50) | ours / here |\n" + "| --- " * 10 + "|")
     for r in rows:
         mode = r["mode"].split()[-1]
-        pub, here = KESTREL_PUBLISHED[mode].get(r["batch"]), kestrel_side.get(mode, {}).get(str(r["batch"]))
+        pub = KESTREL_PUBLISHED[args.model][mode].get(r["batch"])
+        here = kestrel_side.get(mode, {}).get(str(r["batch"]))
         r["kestrel_published"], r["kestrel_here"] = pub, here
         print(f"| {r['mode']} | {r['batch']} | {r['req_per_s']:.1f} | {r['engine_p50_ms']:.0f} | "
               f"{r['engine_ttft_p50_ms']:.0f} | {r.get('floor_req_per_s', float('nan')):.0f} | {_cell(pub)} | "
               f"{_ratio(r['req_per_s'], pub)} | {_cell(here)} | {_ratio(r['req_per_s'], here)} |")
     if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu",
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "model": args.model,
                                         "date": time.strftime("%Y-%m-%d"), "ceilings": ceilings,
                                         "images_per_burst": args.images, "rows": rows}, indent=1))
     return 0
