@@ -94,7 +94,8 @@ def engine_step(decoder: CudaGraphDecoder, bsz: int, context: int):
     """A decode step of bsz sequences as the scheduler runs it: positions move on (context to context + 7),
     the next step is staged during this one; the step returns the greedy tokens (one or two sequences: chosen
     in the step) or the logits' argmax."""
-    ids, tokens, steps = list(range(bsz)), [11] * bsz, itertools.count()
+    # (distinct tokens: with Moondream 3's experts, rows alike would all route to the same experts)
+    ids, tokens, steps = list(range(bsz)), [11 + 97 * i for i in range(bsz)], itertools.count()
 
     def step():
         positions = [context + next(steps) % 8] * bsz

@@ -1,6 +1,6 @@
 """Where one CUDA-graph decode step's time goes (full-size random weights, GPU only).
 
-    python benchmarks/profile_decode.py [--batch 1] [--context 800]
+    python benchmarks/profile_decode.py [--batch 1] [--context 800] [--model moondream2|moondream3]
 
 Prints the step's time, what a boundary between CUDA graphs costs (the step's graph replayed back to
 back, alone and with 2 or 8 steps in one graph), the kernels inside the replayed graph with their GPU
@@ -29,8 +29,8 @@ from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 def graph_boundaries(decoder: CudaGraphDecoder, graph, batch: int, context: int) -> None:
     """The step's graph replayed 20 times back to back, against graphs of 2 and 8 steps (the same kernels
     captured again): the difference per step is what a boundary between graphs costs."""
-    b, long_context, parity = next(iter(decoder.graphs))  # the captured step's bucket and variant
-    graphs = {1: graph, **{n: captured(lambda: decoder._step(b, long_context, parity), calls=n) for n in (2, 8)}}
+    key = next(iter(decoder.graphs))  # the captured step's bucket and variant
+    graphs = {1: graph, **{n: captured(lambda: decoder._step(*key), calls=n) for n in (2, 8)}}
     times = {n: [] for n in graphs}
     for _ in range(10):
         for n, g in graphs.items():
@@ -45,8 +45,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=800)
+    p.add_argument("--model", default="moondream2", choices=["moondream2", "moondream3"])
     args = p.parse_args()
-    config = MoondreamConfig()
+    config = MoondreamConfig.from_dict({"model_type": "moondream3"} if args.model == "moondream3" else {})
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
     cache = PagedKVCache(config.text, args.batch * (args.context // 16 + 2), 16, "cuda", torch.bfloat16)
     for i in range(args.batch):

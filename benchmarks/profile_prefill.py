@@ -1,6 +1,6 @@
 """Profile one engine prefill step (fresh image queries) on the GPU: where does the time go?
 
-    python benchmarks/profile_prefill.py [sequences, default 16]
+    python benchmarks/profile_prefill.py [sequences, default 16] [moondream2|moondream3]
 
 Prints the step's wall time with the torch attention path and with the engine's (the Triton prefill kernel),
 then the engine's GPU busy time (the host's launch work shows in the difference to the wall time).
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import fresh_queries  # noqa: E402
+from benchmarks.gpu_bench import fresh_queries, text_weight_bytes  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
@@ -23,8 +23,9 @@ from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.scheduler import make_attention  # noqa: E402
 
 
-def main(n: int = 16, prompt: int = 12) -> None:
-    config = MoondreamConfig()
+def main(n: int = 16, family: str = "moondream2", prompt: int = 12) -> None:
+    config = MoondreamConfig.from_dict({"model_type": "moondream3"} if family == "moondream3" else {})
+    active_params = text_weight_bytes(config) / 2  # (the weights one token computes with)
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
     cache = PagedKVCache(config.text, n * 64, 16, "cuda", torch.bfloat16)
     length = 730 + prompt
@@ -50,7 +51,7 @@ def main(n: int = 16, prompt: int = 12) -> None:
                 torch.cuda.synchronize()
                 walls.append((time.perf_counter() - t0) * 1000)
             print(f"{name}: prefill of {n} x {length} tokens: {sorted(walls)[2]:.1f} ms (median of 5; compute floor "
-                  f"at 780 TFLOP/s: {n * length * 2 * 1.31e9 / 780e12 * 1000:.1f} ms)", flush=True)
+                  f"at 780 TFLOP/s: {n * length * 2 * active_params / 780e12 * 1000:.1f} ms)", flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
             step(attention)
             torch.cuda.synchronize()
@@ -61,4 +62,4 @@ def main(n: int = 16, prompt: int = 12) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:2]))
+    main(*[int(a) for a in sys.argv[1:2]], *sys.argv[2:3])

@@ -20,6 +20,7 @@ from triton.runtime.jit import JITFunction
 from kestrel_backend.model.config import MoeConfig, TextConfig, VisionConfig
 from kestrel_backend.model.layer_norm_cuda import shifted_layer_norm
 from kestrel_backend.model.rope_cuda import rope_qk_inplace
+from kestrel_backend.model.tau_cuda import tau_inplace
 from kestrel_backend.runtime import decode_kernels as dk
 from kestrel_backend.runtime import lora_kernels as lk
 from kestrel_backend.runtime import moe_kernels as mk
@@ -101,7 +102,9 @@ def launch_everything() -> None:
         prefill_attention(q[:, :h], q[:, h:2 * h], q[:, 2 * h:], cache, cache, torch.zeros(64, dtype=torch.int64),
                           torch.tensor([0, 64, 10, 0, 16, 0], dtype=torch.int32), torch.zeros(16, dtype=torch.int64))
         moe = MoeConfig()  # Moondream 3's experts: few tokens (decode) and many (prefill) take other tiles
-        for t in (1, 64):
+        tau_inplace(torch.zeros(4, 3 * cfg.dim, **f), torch.zeros(4, 2 * h, **f), torch.zeros(h, **f),
+                    torch.zeros(4, dtype=torch.int64), h, d)
+        for t in (1, 64, 256):
             mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), torch.zeros(moe.n_experts, cfg.dim, **f),
                             torch.zeros(moe.n_experts, **f), torch.zeros(moe.n_experts, 2 * moe.expert_inner_dim, cfg.dim, **f),
                             torch.zeros(moe.n_experts, cfg.dim, moe.expert_inner_dim, **f), moe.n_experts_per_tok)

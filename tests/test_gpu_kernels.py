@@ -496,19 +496,43 @@ def test_step_inputs_pack_the_rows_in_segments_of_one_adapter(tiny_model):
     assert inputs.segments(4)[1].tolist() == [0] * 5
 
 
-@pytest.mark.parametrize("tokens, top_k", [(1, 3), (5, 3), (40, 2)])
-def test_expert_kernels_match_the_per_expert_loop(tokens, top_k):
-    """Moondream 3's grouped expert kernels (pairs sorted by expert, each expert's weights read once for all its
-    rows, more than one 16-row tile of them at 40 tokens) against text.moe_mlp's per-expert loop."""
+@pytest.mark.parametrize("tokens, top_k", [(1, 3), (5, 3), (40, 2), (300, 3), (1400, 3)])
+def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, monkeypatch):
+    """Moondream 3's grouped expert kernels (pairs grouped by expert, each expert's weights read once a tile of its
+    rows; at 40 tokens more than one 16-row tile an expert; at 300 the prefill tiles of 128 rows; at 1400 more than
+    4,096 pairs, grouped by torch's sort, and more than one such tile an expert) against text.moe_mlp's loop."""
     from kestrel_backend.model.text import moe_mlp
     from kestrel_backend.model.weights import Linear, MoE
-    from kestrel_backend.runtime.moe_kernels import moe_mlp_cuda
+    from kestrel_backend.runtime import moe_kernels as mk
 
+    if tokens >= 300:  # the bf16 prefill tiles (the interpreter's float32 is exact, and has room for them)
+        monkeypatch.setattr(mk, "_tiles", lambda t, dtype: mk.PREFILL_TILES)
     gen = torch.Generator().manual_seed(3)
     dim, inner, experts = 128, 64, 8
     moe = MoE(Linear(torch.randn(experts, dim, generator=gen), torch.randn(experts, generator=gen)),
               torch.randn(experts, 2 * inner, dim, generator=gen) / dim ** 0.5,
               torch.randn(experts, dim, inner, generator=gen) / inner ** 0.5, top_k)
     x = torch.randn(tokens, dim, generator=gen)
-    got = moe_mlp_cuda(x, moe.router.weight, moe.router.bias, moe.fc1, moe.fc2, top_k)
+    got = mk.moe_mlp_cuda(x, moe.router.weight, moe.router.bias, moe.fc1, moe.fc2, top_k)
     assert rel_err(got, moe_mlp(x, moe)) < 1e-5
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_tau_kernel_matches_the_torch_scales(tokens):
+    """Moondream 3's tau scaling in one kernel, in place, against text.tau_scales at positions past 4,096."""
+    from kestrel_backend.model.tau_cuda import tau_inplace
+    from kestrel_backend.model.text import tau_scales, tau_token_part
+    from kestrel_backend.model.weights import Tau
+
+    gen = torch.Generator().manual_seed(4)
+    heads, hd = 2, 64
+    tau = Tau(torch.randn(heads, generator=gen), torch.randn(2 * heads, 3 * heads * hd, generator=gen) / 20)
+    qkv = torch.randn(tokens, 3 * heads * hd, generator=gen)
+    positions = torch.tensor([0, 5, 700, 2048, 4100, 30000][:tokens])
+    scale_q, scale_v = tau_scales(qkv, positions, tau)
+    want = qkv.view(tokens, 3, heads, hd).clone()
+    want[:, 0] *= scale_q[..., None]
+    want[:, 2] *= scale_v[..., None]
+    got = qkv.clone()
+    tau_inplace(got, tau_token_part(qkv, tau), tau.alpha, positions, heads, hd)
+    assert rel_err(got, want.view(tokens, -1)) < 1e-6

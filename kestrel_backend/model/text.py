@@ -42,18 +42,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([out.to(x.dtype), x_pass], dim=-1)
 
 
+def tau_token_part(qkv: torch.Tensor, tau: Tau) -> torch.Tensor:
+    """[T, 2H]: the token part of the q and v scales before its tanh, from the whole qkv projection (exact GELU)."""
+    return F.gelu(qkv) @ tau.w.t()
+
+
 def tau_scales(qkv: torch.Tensor, positions: torch.Tensor, tau: Tau) -> tuple[torch.Tensor, torch.Tensor]:
-    """Moondream 3's per-token, per-head scales of q and v [T, H]: a token part from the whole qkv projection
-    (exact GELU, then tanh of a small matmul) plus a position part that grows with log(position + 1)."""
-    feat = F.gelu(qkv)
+    """Moondream 3's per-token, per-head scales of q and v [T, H]: tanh of the token part plus a position part
+    that grows with log(position + 1)."""
+    heads = tau.alpha.shape[0]
+    token = torch.tanh(tau_token_part(qkv, tau))
     by_position = 0.5 + torch.sigmoid(tau.alpha.float()[None, :] * torch.log1p(positions.float())[:, None])
-    return (torch.tanh(feat @ tau.wq.t()) + by_position).to(qkv.dtype), \
-        (torch.tanh(feat @ tau.wv.t()) + by_position).to(qkv.dtype)
+    return (token[:, :heads] + by_position).to(qkv.dtype), (token[:, heads:] + by_position).to(qkv.dtype)
 
 
 def apply_tau(qkv: torch.Tensor, positions: torch.Tensor, tau: Tau, config: TextConfig) -> torch.Tensor:
-    """qkv with its q and v heads scaled by tau_scales (a new tensor; tau needs n_kv_heads == n_heads)."""
+    """qkv with its q and v heads scaled by tau_scales (tau needs n_kv_heads == n_heads); in place on a GPU."""
     n, hd, heads = qkv.shape[0], config.head_dim, config.n_heads
+    if qkv.is_cuda:
+        from .tau_cuda import tau_inplace
+
+        tau_inplace(qkv, tau_token_part(qkv, tau), tau.alpha, positions, heads, hd)
+        return qkv
     scale_q, scale_v = tau_scales(qkv, positions, tau)
     ones = torch.ones_like(scale_q)
     return (qkv.view(n, 3, heads, hd) * torch.stack([scale_q, ones, scale_v], dim=1)[..., None]).view(n, -1)

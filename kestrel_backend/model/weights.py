@@ -67,8 +67,7 @@ class Tau:
     """Moondream 3's per-head q and v scales: tanh(gelu(qkv) @ w^T) + 1 + sigmoid(alpha * log(pos + 1)) - 0.5."""
 
     alpha: torch.Tensor  # [heads]
-    wq: torch.Tensor  # [heads, qkv_dim]
-    wv: torch.Tensor  # [heads, qkv_dim]
+    w: torch.Tensor  # [2 * heads, qkv_dim]: the checkpoint's wq then wv (one matmul for both)
 
 
 @dataclass
@@ -362,7 +361,9 @@ def build_weights(state: dict[str, torch.Tensor], config: MoondreamConfig,
     )
     def text_block(i):
         b, tc = f"text.blocks.{i}", config.text
-        tau = Tau(t(f"{b}.attn.tau.alpha"), t(f"{b}.attn.tau.wq"), t(f"{b}.attn.tau.wv")) if tc.tau_attn else None
+        tau = None
+        if tc.tau_attn:
+            tau = Tau(t(f"{b}.attn.tau.alpha"), torch.cat([t(f"{b}.attn.tau.wq"), t(f"{b}.attn.tau.wv")]))
         if is_moe_layer(tc, i):
             moe = MoE(linear(f"{b}.mlp.router"), t(f"{b}.mlp.fc1.weight"), t(f"{b}.mlp.fc2.weight"),
                       tc.moe.n_experts_per_tok)

@@ -1,8 +1,8 @@
 """Moondream 3's expert MLPs on the GPU as grouped work, with no host sync (so decode steps replay as CUDA graphs).
 
-Each token's top-k (token, expert) pairs are sorted by expert on the device; a program of `_moe_up_kernel` takes
-one expert and one block of its inner columns and runs every pair routed to that expert through fc1 (16 rows a
-tile, tensor-core dots), reading the expert's weights once however many tokens chose it, then applies
+Each token's top-k (token, expert) pairs are grouped by expert on the device; a program of `_moe_up_kernel` takes
+one expert and one block of its inner columns and runs every pair routed to that expert through fc1 (tiles of 16
+rows in decode steps, 128 in prefill; tensor-core dots), reading the expert's weights once a tile, then applies
 gelu(h) * (g + 1). `_moe_down_kernel` does the same through fc2 and scales each row by its routing weight; the k
 rows of a token are summed in float32 at the end. Experts no token chose cost one program that returns at once.
 """
@@ -14,8 +14,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # pair rows a tile (tl.dot's smallest)
-BLOCK_K = 64
 
 
 @triton.jit
@@ -79,14 +77,62 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tenso
     return top_ids, torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
 
 
+@triton.jit
+def _segments_kernel(ids_ptr, P, starts_ptr, fill_ptr, order_ptr, E: tl.constexpr, BINS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """One program: count the pairs of each expert, write where each expert's run starts, then place every pair in
+    its expert's run (an atomic counter an expert; the order inside a run does not change any row's result)."""
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK):
+        offs = p0 + tl.arange(0, BLOCK)
+        counts += tl.histogram(tl.load(ids_ptr + offs, mask=offs < P, other=E), BINS)  # (padding: bin E)
+    e = tl.arange(0, BINS)
+    starts = tl.cumsum(counts, 0) - counts
+    tl.store(starts_ptr + e, tl.where(e < E, starts, P), mask=e <= E)
+    tl.store(fill_ptr + e, starts, mask=e < E)
+    tl.debug_barrier()  # the counters' start values, visible to every thread of the program
+    for p0 in range(0, P, BLOCK):
+        offs = p0 + tl.arange(0, BLOCK)
+        mask = offs < P
+        ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+        tl.store(order_ptr + tl.atomic_add(fill_ptr + ids, 1, mask=mask), offs, mask=mask)
+
+
+ONE_PROGRAM_PAIRS = 4096  # up to this many pairs (decode steps) one program groups them; more (prefill): torch's sort
+
+
 def expert_segments(top_ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, slot) pairs sorted by expert: pair indices (token * k + slot) in that order, and where each
+    """The (token, slot) pairs grouped by expert: pair indices (token * k + slot) in that order, and where each
     expert's run starts ([E + 1], the last is the pair count). On the device, no sync."""
-    flat = top_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat + 1, torch.ones_like(flat, dtype=torch.int32))
-    return order, counts.cumsum(0, dtype=torch.int32)
+    flat = top_ids.reshape(-1).to(torch.int32)
+    pairs = flat.shape[0]
+    if pairs > ONE_PROGRAM_PAIRS:
+        counts = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
+        counts.scatter_add_(0, flat.long() + 1, torch.ones_like(flat))
+        return torch.argsort(flat, stable=True).to(torch.int32), counts.cumsum(0, dtype=torch.int32)
+    order = torch.empty(pairs, dtype=torch.int32, device=flat.device)
+    starts = torch.empty(n_experts + 1, dtype=torch.int32, device=flat.device)
+    fill = torch.empty(n_experts, dtype=torch.int32, device=flat.device)
+    _segments_kernel[(1,)](flat, pairs, starts, fill, order, E=n_experts, BINS=triton.next_power_of_2(n_experts + 1),
+                           BLOCK=1024, num_warps=4)
+    return order, starts
+
+
+def _tiles(tokens: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """Tile sizes of the up and down kernels: few tokens (decode) want many small programs to keep the memory
+    system busy reading the experts; many (prefill) want large tiles for the tensor cores (in bf16: float32's
+    would not fit the shared memory of every GPU). benchmarks/tune_moe.py compares others."""
+    if tokens <= 16:
+        small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4)
+        return small, small
+    if tokens <= 128 or dtype == torch.float32:
+        medium = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4)
+        return medium, medium
+    return PREFILL_TILES
+
+
+PREFILL_TILES = (dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8),
+                 dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8))
 
 
 def moe_mlp_cuda(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, fc1: torch.Tensor,
@@ -94,18 +140,16 @@ def moe_mlp_cuda(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
     """[T, dim] -> [T, dim]: text.moe_mlp's result, computed as grouped work over the experts."""
     t, d = x.shape
     n_experts, inner = fc1.shape[0], fc1.shape[1] // 2
-    assert d % BLOCK_K == 0 and inner % BLOCK_K == 0 and x.stride(1) == 1
+    up, down = _tiles(t, x.dtype)
+    assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0 and x.stride(1) == 1
     top_ids, gates = route(x, router_weight, router_bias, top_k)
     order, starts = expert_segments(top_ids, n_experts)
     pairs = t * top_k
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(pairs, d, device=x.device, dtype=torch.float32)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)
-    block_n = 32 if t <= 16 else 64  # few tokens: more, smaller programs to keep the GPU's memory system busy
-    _moe_up_kernel[(n_experts, triton.cdiv(inner, block_n))](
-        x, x.stride(0), fc1, order, starts, act, K=d, I=inner, TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=4)
-    _moe_down_kernel[(n_experts, triton.cdiv(d, block_n))](
-        act, fc2, order, starts, gates.reshape(-1), out, N=d, I=inner, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=4)
+    _moe_up_kernel[(n_experts, triton.cdiv(inner, up["BLOCK_N"]))](
+        x, x.stride(0), fc1, order, starts, act, K=d, I=inner, TOP_K=top_k, PRECISION=precision, **up)
+    _moe_down_kernel[(n_experts, triton.cdiv(d, down["BLOCK_N"]))](
+        act, fc2, order, starts, gates.reshape(-1), out, N=d, I=inner, PRECISION=precision, **down)
     return out.view(t, top_k, d).sum(1).to(x.dtype)

@@ -20,6 +20,8 @@ from .cuda_graphs import CapturedGraphs
 from .kv_cache import PagedKVCache
 
 BUCKET = 64  # rows: a multiple of the attention kernel's query tile
+MAX_ROWS = 2048  # rows of the longest graph (Moondream 2's whole context): longer steps (long Moondream 3 prompts,
+#                  compute-bound) run eagerly, where one graph per 64 rows up to 32k would hold tens of GB
 
 
 class _BucketAttention:
@@ -50,7 +52,7 @@ class PrefillGraphs:
         self.model, self.cache = model, cache
         # sequences per graph (the LM head's rows): one, or up to max_seqs (spare attention programs exit at once)
         self.seq_buckets = sorted({1, max_seqs})
-        dev, rows, seqs = model.device, -(-max_context // BUCKET) * BUCKET, max_seqs
+        dev, rows, seqs = model.device, -(-min(max_context, MAX_ROWS) // BUCKET) * BUCKET, max_seqs
         self.max_rows = rows
         self.x = torch.zeros(rows, model.config.text.dim, device=dev, dtype=model.dtype)
         self.positions = torch.zeros(rows, device=dev, dtype=torch.long)

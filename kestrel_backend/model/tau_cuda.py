@@ -1,0 +1,42 @@
+"""Moondream 3's tau scaling of q and v as one Triton kernel on the GPU, in place on the fused qkv rows (the torch
+version in text.py takes about a dozen small kernels per layer)."""
+
+import torch
+import triton
+import triton.language as tl
+
+TOKENS_PER_PROGRAM = 4
+
+
+@triton.jit
+def _tau_kernel(qkv_ptr, lin_ptr, alpha_ptr, pos_ptr, T, row_stride, lin_stride, N_HEADS: tl.constexpr,
+                HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # [BLOCK_T, 1]
+    h = tl.arange(0, HEADS)[None, :]  # HEADS: N_HEADS rounded up to a power of two
+    mask = (t < T) & (h < N_HEADS)
+    pos = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)
+    alpha = tl.load(alpha_ptr + h, mask=h < N_HEADS, other=0.0).to(tl.float32)
+    by_position = 0.5 + tl.sigmoid(alpha * tl.log(pos + 1.0))
+    lin_q = tl.load(lin_ptr + t * lin_stride + h, mask=mask, other=0.0).to(tl.float32)
+    lin_v = tl.load(lin_ptr + t * lin_stride + N_HEADS + h, mask=mask, other=0.0).to(tl.float32)
+    # tanh(x) = 2 sigmoid(2x) - 1; each scale rounded to the activations' dtype first, as the torch path does
+    scale_q = (2.0 * tl.sigmoid(2.0 * lin_q) - 1.0 + by_position).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    scale_v = (2.0 * tl.sigmoid(2.0 * lin_v) - 1.0 + by_position).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    d = tl.arange(0, HEAD_DIM)[None, None, :]
+    q = qkv_ptr + t[:, :, None] * row_stride + h[:, :, None] * HEAD_DIM + d
+    v = q + 2 * N_HEADS * HEAD_DIM
+    m3 = mask[:, :, None]
+    tl.store(q, (tl.load(q, mask=m3, other=0.0).to(tl.float32) * scale_q[:, :, None]).to(qkv_ptr.dtype.element_ty),
+             mask=m3)
+    tl.store(v, (tl.load(v, mask=m3, other=0.0).to(tl.float32) * scale_v[:, :, None]).to(qkv_ptr.dtype.element_ty),
+             mask=m3)
+
+
+def tau_inplace(qkv: torch.Tensor, lin: torch.Tensor, alpha: torch.Tensor, positions: torch.Tensor, n_heads: int,
+                head_dim: int) -> None:
+    """qkv [T, 3 * n_heads * head_dim]: q and v heads scaled in place; lin [T, 2 * n_heads], the token part before
+    its tanh (q's heads, then v's); positions [T] integers."""
+    t = qkv.shape[0]
+    _tau_kernel[(triton.cdiv(t, TOKENS_PER_PROGRAM),)](
+        qkv, lin, alpha, positions.contiguous(), t, qkv.stride(0), lin.stride(0), N_HEADS=n_heads,
+        HEADS=triton.next_power_of_2(n_heads), HEAD_DIM=head_dim, BLOCK_T=TOKENS_PER_PROGRAM, num_warps=4)
