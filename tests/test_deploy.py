@@ -105,6 +105,14 @@ def test_gpus_per_pod_runs_one_engine_per_gpu():
         assert ("--model-config-name=multi_gpu" in container["args"]) == (gpus > 1)
 
 
+def test_the_pod_outlives_tritonservers_exit_timeout():
+    """A stopped pod is killed only after tritonserver's exit timeout (in which requests in flight finish), plus a
+    margin."""
+    spec = _deployment()["spec"]["template"]["spec"]
+    timeout = next(int(a.split("=")[1]) for a in spec["containers"][0]["args"] if a.startswith("--exit-timeout-secs="))
+    assert timeout >= 60 and spec["terminationGracePeriodSeconds"] > timeout
+
+
 def test_multi_gpu_config_differs_from_the_default_only_in_its_instance_group():
     model = ROOT / "model_repository" / "moondream"
 

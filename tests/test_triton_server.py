@@ -440,3 +440,42 @@ def test_moondream3_served_for_every_skill_equals_the_engine(tmp_path_factory, t
     finally:
         eng.shutdown()
         server.stop()
+
+
+def test_sigterm_lets_streams_in_flight_finish_and_refuses_later_requests(tmp_path_factory, tiny_dir):
+    """A stopped server (SIGTERM, as Kubernetes stops a pod): the streams in flight run to their end (every chunk,
+    the final body), a request after the signal is refused, and the process exits 0 well within the exit timeout."""
+    import signal
+
+    from conftest import TritonProcess
+
+    server = TritonProcess(tmp_path_factory.mktemp("triton-stop"))
+    image = (tiny_dir / "images" / "small.png").read_bytes()
+    started, results = threading.Barrier(4), {}
+
+    def stream(i):
+        bodies = []
+        for body in MoondreamClient(server["grpc"], timeout=120).stream(
+                "query", image=image, question=f"question {i}", settings={"temperature": 0, "max_tokens": 400}):
+            if not bodies:
+                started.wait()
+            bodies.append(body)
+        results[i] = bodies
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=120)  # every stream has its first chunk
+    stopped_at = time.time()
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(MoondreamError):
+        MoondreamClient(server["grpc"], timeout=10).query("late", settings=GREEDY)
+    for t in threads:
+        t.join(120)
+    assert server.proc.wait(60) == 0 and time.time() - stopped_at < 30  # (the server's exit timeout: 30 s)
+    for bodies in results.values():
+        *chunks, final = bodies
+        assert final["completed"] and final["finish_reason"] == "length" and final["metrics"]["output_tokens"] == 400
+        assert "".join(c["chunk"] for c in chunks) + final["chunk"] == final["answer"]
+    assert len(results) == 3
