@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -88,25 +90,65 @@ def test_config_with_unknown_key_is_refused(tmp_path):
         MoondreamConfig.from_dict({"text": {"depth": 3}})
 
 
-def test_checkpoint_from_a_local_huggingface_cache(tiny_dir, tmp_path, monkeypatch):
-    """The hub path is real huggingface_hub code, pointed at a cache laid out as the hub leaves it."""
+def _hub_cache(cache: Path, repo_id: str, files: list[Path], monkeypatch) -> Path:
+    """A repository's snapshot in a Hugging Face cache laid out as the hub leaves it (offline from then on)."""
     import shutil
 
-    from kestrel_backend.model.hub import resolve_checkpoint
+    import huggingface_hub.constants as hc
 
     revision = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "models--vikhyatk--moondream2"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / revision
     snapshot.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        shutil.copy(tiny_dir / name, snapshot / name)
+    for file in files:
+        shutil.copy(file, snapshot / file.name)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import huggingface_hub.constants as hc
-
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    return snapshot
+
+
+def test_checkpoint_from_a_local_huggingface_cache(tiny_dir, tmp_path, monkeypatch):
+    """The hub path is real huggingface_hub code, pointed at a cache laid out as the hub leaves it."""
+    from kestrel_backend.model.hub import resolve_checkpoint, resolve_tokenizer
+
+    snapshot = _hub_cache(tmp_path, "vikhyatk/moondream2",
+                          [tiny_dir / n for n in ("config.json", "model.safetensors", "tokenizer.json")], monkeypatch)
     folder = resolve_checkpoint("moondream2", cache_dir=str(tmp_path))
-    assert folder == snapshot
+    assert folder == snapshot and resolve_tokenizer("moondream2", cache_dir=str(tmp_path)) is None
     model = Moondream.from_checkpoint(folder)
     assert model.config.text.dim == 128 and model.tokenizer is not None
+
+
+def test_moondream3_from_the_hub_takes_its_tokenizer_from_its_own_repository(tiny_dir, tmp_path, monkeypatch):
+    """moondream3-preview keeps no tokenizer.json: it comes from moondream/starmie-v1."""
+    from kestrel_backend.model.hub import resolve_checkpoint, resolve_tokenizer
+
+    md3 = tiny_dir.parent / "md3-tiny"
+    _hub_cache(tmp_path, "moondream/moondream3-preview", [md3 / "config.json", md3 / "model.safetensors"], monkeypatch)
+    _hub_cache(tmp_path, "moondream/starmie-v1", [tiny_dir / "tokenizer.json"], monkeypatch)
+    folder = resolve_checkpoint("moondream3-preview", cache_dir=str(tmp_path))
+    model = Moondream.from_checkpoint(folder, tokenizer_dir=resolve_tokenizer("moondream3-preview", str(tmp_path)))
+    assert model.config.is_moondream3 and model.tokenizer is not None
+
+
+def test_moondream3_config_and_checkpoint_errors_name_the_tensor(tiny_dir, tmp_path):
+    """Moondream 3 is told from its Hugging Face config.json alone (no flag); a missing expert tensor or a tau matrix
+    of the wrong shape fails with the tensor's name; an unknown MoE key is refused."""
+    folder = tiny_dir.parent / "md3-tiny"
+    config = MoondreamConfig.from_file(folder / "config.json")
+    assert config.is_moondream3 and config.text.tau_attn and config.region.decoder == "linear"
+    assert (config.text.moe.n_experts, config.text.moe.n_experts_per_tok, config.text.max_context) == (8, 3, 32768)
+    assert not MoondreamConfig.from_file(tiny_dir / "config.json").is_moondream3
+    raw = load_file(str(folder / "model.safetensors"))
+    missing = {k: v for k, v in raw.items() if k != "model.text.blocks.2.mlp.fc2.weight"}
+    save_file(missing, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'text\.blocks\.2\.mlp\.fc2\.weight'"):
+        load_state(tmp_path / "missing.safetensors", config)
+    bad = {**raw, "model.text.blocks.0.attn.tau.wq": raw["model.text.blocks.0.attn.tau.wq"][:, :10].contiguous()}
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensor 'text\.blocks\.0\.attn\.tau\.wq' has shape \(2, 10\)"):
+        load_state(tmp_path / "bad.safetensors", config)
+    with pytest.raises(ValueError, match="unknown text moe keys"):
+        MoondreamConfig.from_dict({"model_type": "moondream3", "config": {"text": {"moe": {"experts": 4}}}})
