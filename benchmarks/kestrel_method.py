@@ -221,7 +221,7 @@ def main() -> int:
         model = Moondream.from_checkpoint(args.checkpoint, dtype=torch.bfloat16 if cuda else torch.float32,
                                           device="cuda" if cuda else "cpu")
     else:
-        config = MoondreamConfig.from_dict({"model_type": "moondream3"} if args.model == "moondream3" else {})
+        config = MoondreamConfig.official(args.model)
         model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"),
                           load_tokenizer(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny"))
     ceilings = None

@@ -31,7 +31,7 @@ def main() -> int:
     res["ceilings"] = ceilings()
     bandwidth = res["ceilings"]["copy_bandwidth_GBps"] * 1e9
     torch.manual_seed(0)
-    config = MoondreamConfig.from_dict({"model_type": "moondream3"})
+    config = MoondreamConfig.official("moondream3")
     before = torch.cuda.memory_allocated()
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
     res["weights_GB"] = (torch.cuda.memory_allocated() - before) / 1e9

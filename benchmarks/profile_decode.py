@@ -47,7 +47,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=800)
     p.add_argument("--model", default="moondream2", choices=["moondream2", "moondream3"])
     args = p.parse_args()
-    config = MoondreamConfig.from_dict({"model_type": "moondream3"} if args.model == "moondream3" else {})
+    config = MoondreamConfig.official(args.model)
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
     cache = PagedKVCache(config.text, args.batch * (args.context // 16 + 2), 16, "cuda", torch.bfloat16)
     for i in range(args.batch):

@@ -24,7 +24,7 @@ from kestrel_backend.runtime.scheduler import make_attention  # noqa: E402
 
 
 def main(n: int = 16, family: str = "moondream2", prompt: int = 12) -> None:
-    config = MoondreamConfig.from_dict({"model_type": "moondream3"} if family == "moondream3" else {})
+    config = MoondreamConfig.official(family)
     active_params = text_weight_bytes(config) / 2  # (the weights one token computes with)
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
     cache = PagedKVCache(config.text, n * 64, 16, "cuda", torch.bfloat16)

@@ -142,6 +142,13 @@ class MoondreamConfig:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
+    @classmethod
+    def official(cls, family: str = "moondream2") -> "MoondreamConfig":
+        """A family's official sizes: moondream2 or moondream3 (full-size random weights for benchmarks)."""
+        if family not in ("moondream2", "moondream3"):
+            raise ValueError(f"unknown model family {family!r}")
+        return cls.from_dict({"model_type": family} if family == "moondream3" else {})
+
     @property
     def is_moondream3(self) -> bool:
         return self.text.moe is not None

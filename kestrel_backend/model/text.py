@@ -69,6 +69,13 @@ def apply_tau(qkv: torch.Tensor, positions: torch.Tensor, tau: Tau, config: Text
     return (qkv.view(n, 3, heads, hd) * torch.stack([scale_q, ones, scale_v], dim=1)[..., None]).view(n, -1)
 
 
+def route_tokens(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int):
+    """Each token's top-k experts by router logit and their weights (softmax over those k, in x's dtype as the
+    reference rounds them) -> (expert ids [T, k], weights [T, k])."""
+    top_logits, top_ids = torch.topk(F.linear(x, router_weight, router_bias), top_k, dim=-1)
+    return top_ids, torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
+
+
 def moe_mlp(x: torch.Tensor, moe: MoE) -> torch.Tensor:
     """[T, dim] -> [T, dim]: each token through its top-k experts, weighted by the softmax of their router
     logits. Experts run one after another over the tokens routed to them (on a GPU: grouped kernels, no sync)."""
@@ -76,9 +83,7 @@ def moe_mlp(x: torch.Tensor, moe: MoE) -> torch.Tensor:
         from ..runtime.moe_kernels import moe_mlp_cuda
 
         return moe_mlp_cuda(x, moe.router.weight, moe.router.bias, moe.fc1, moe.fc2, moe.top_k)
-    logits = linear(x, moe.router)
-    top_logits, top_ids = torch.topk(logits, moe.top_k, dim=-1)
-    weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
+    top_ids, weights = route_tokens(x, moe.router.weight, moe.router.bias, moe.top_k)
     out = torch.zeros_like(x)
     inner = moe.fc2.shape[-1]
     for expert in torch.unique(top_ids).tolist():

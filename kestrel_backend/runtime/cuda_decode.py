@@ -50,7 +50,7 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     cfg, w, page = model.config.text, model.weights.text, cache.page_size
     gemv = x.shape[0] <= GEMV_MAX_ROWS and lora is None
     one_kernel = gemv and x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR and \
-        cfg.moe is None
+        not cfg.tau_attn  # (Moondream 3's layers: _moondream3_layer)
     sync, best = _step_counters(len(w.blocks), cfg.n_heads, x.shape[0], one_kernel, gemv and greedy_out is not None,
                                 x.device)
     if lora is not None:  # every layer's shrunk values, summed atomically: zeroed once for the step

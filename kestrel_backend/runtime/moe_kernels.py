@@ -10,9 +10,10 @@ rows of a token are summed in float32 at the end. Experts no token chose cost on
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from ..model.text import route_tokens
 
 
 
@@ -68,13 +69,6 @@ def _moe_down_kernel(act_ptr, w2_ptr, order_ptr, starts_ptr, gates_ptr, out_ptr,
         gate = tl.load(gates_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + pair[:, None].to(tl.int64) * N + offs_n[None, :], acc * gate[:, None],
                  mask=r_mask[:, None] & n_mask[None, :])
-
-
-def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int):
-    """Each token's top-k experts by router logit and their weights (softmax over those k, in x's dtype as the
-    reference rounds them) -> (expert ids [T, k], weights [T, k])."""
-    top_logits, top_ids = torch.topk(F.linear(x, router_weight, router_bias), top_k, dim=-1)
-    return top_ids, torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
 
 
 @triton.jit
@@ -142,7 +136,7 @@ def moe_mlp_cuda(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
     n_experts, inner = fc1.shape[0], fc1.shape[1] // 2
     up, down = _tiles(t, x.dtype)
     assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0 and x.stride(1) == 1
-    top_ids, gates = route(x, router_weight, router_bias, top_k)
+    top_ids, gates = route_tokens(x, router_weight, router_bias, top_k)
     order, starts = expert_segments(top_ids, n_experts)
     pairs = t * top_k
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
