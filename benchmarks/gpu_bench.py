@@ -290,11 +290,13 @@ def engine_golden_check(fixture_name: str = "md2-tiny") -> dict:
     decode graphs, its expert kernels in prefill and decode)."""
     fixture = ROOT / "tests" / "fixtures" / fixture_name
     adapters = fixture / "adapters"
-    cases = [c for c in json.loads((fixture / "cases.json").read_text())["cases"]
-             if c["kind"] in ("query", "caption", "point", "detect")]
+    all_cases = json.loads((fixture / "cases.json").read_text())["cases"]
+    cases = [c for c in all_cases if c["kind"] in ("query", "caption", "point", "detect", "segment")]
+    refiner = fixture / "seg_refiner"
     engine = InferenceEngine.create(RuntimeConfig(model_path=str(fixture), device="cuda", dtype="float32",
                                                   max_batch_size=32,
-                                                  adapter_dir=str(adapters) if adapters.is_dir() else ""))
+                                                  adapter_dir=str(adapters) if adapters.is_dir() else "",
+                                                  seg_refiner_path=str(refiner) if refiner.is_dir() else ""))
     try:
         async def run():
             batch = (cases * 3)[:32]
@@ -310,10 +312,39 @@ def engine_golden_check(fixture_name: str = "md2-tiny") -> dict:
         batch, results = batch + cases, results + asyncio.run(one_at_a_time())
         ok = sum(result_matches(engine, c, r) for c, r in zip(batch, results))
         stats = engine.stats()
-        return {"engine_fp32_golden_equal": f"{ok}/{len(batch)}", "pages_free_after": engine.no_request_holds_pages(),
-                "prefix_hits": stats["prefix_hits"], "decode_steps_launched_ahead": dict(engine.scheduler.steps_ahead)}
+        out = {"engine_fp32_golden_equal": f"{ok}/{len(batch)}", "pages_free_after": engine.no_request_holds_pages(),
+               "prefix_hits": stats["prefix_hits"], "decode_steps_launched_ahead": dict(engine.scheduler.steps_ahead)}
+        if refiner.is_dir():
+            out["segment_refiner_gpu"] = segment_refiner_check(engine, fixture, all_cases)
+        return out
     finally:
         engine.shutdown()
+
+
+def segment_refiner_check(engine, fixture: Path, cases: list[dict]) -> dict:
+    """The segment refiner on the GPU (vision encoder with its early features, the head) against Kestrel's
+    pipeline's masks, per golden case: the head's sigmoid mask (max abs diff), refined-mask pixels that differ."""
+    from kestrel_backend.images import decode_image
+    from kestrel_backend.skills.segment import coarse_segment
+
+    try:
+        import cv2  # noqa: F401
+        import resvg  # noqa: F401
+    except ImportError as e:  # (a machine with the engine's GPU dependencies only)
+        return {"skipped": f"segment's CPU libraries are not installed: {e}"}
+    golden, out = np.load(fixture / "golden.npz"), {}
+    for case in (c for c in cases if c.get("refiner_soft")):
+        stream = case["stream"]
+        seg = coarse_segment("", engine.model.tokenizer, [v for v in stream if isinstance(v, int)],
+                             [v[1] for v in stream if isinstance(v, list) and v[0] == "c"],
+                             [tuple(v[1:]) for v in stream if isinstance(v, list) and v[0] == "s"])
+        image = decode_image((fixture / case["image"]).read_bytes())
+        soft, mask = engine.scheduler.segment_refiner.refined_mask(image, seg["svg_path"], seg["bbox"])
+        h, w = mask.shape
+        expected = np.unpackbits(golden[case["mask_refined"]])[:h * w].reshape(h, w)
+        out[case["name"]] = {"soft_max_abs_diff": float(np.abs(soft - golden[case["refiner_soft"]]).max()),
+                             "mask_pixels_differ": int((mask != expected).sum()), "mask_pixels": int(expected.sum())}
+    return out
 
 
 def vision_crop_flops(v) -> int:

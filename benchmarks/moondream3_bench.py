@@ -1,6 +1,6 @@
 """Moondream 3 on the GPU: the float32 GPU engine against md3-tiny's golden outputs, then decode steps of FULL-SIZE
 random bf16 weights against their floor (the dense weights, the routed experts and the KV bytes, over the copy
-ceiling measured in the same run), and the weights' device memory.
+ceiling measured in the same run), the weights' device memory, and segment's refinement latency (full-size head).
 
     python benchmarks/moondream3_bench.py [--out md3.json]
 
@@ -19,7 +19,61 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import ceilings, decode_steps, engine_golden_check, table  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
+from kestrel_backend.model.seg_refiner import RefinerHead  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
+from kestrel_backend.runtime import segment_refiner  # noqa: E402
+
+
+def refiner_shapes(enc: int, d: int, masks: int = 4, blocks: int = 2) -> dict:
+    """The published refiner head's tensor shapes (moondream/SegHeadRefiner: enc 1152, dim 256)."""
+    s = {"image_pe": (1, d, 27, 27), "mask_tokens": (masks, d), "iou_token": (1, d), "output_pe": (masks + 1, d)}
+    wb = lambda n, w, b: s.update({f"{n}.weight": w, f"{n}.bias": (b,)})  # noqa: E731
+    attn = lambda n, e: s.update({f"{n}.in_proj_weight": (3 * e, e), f"{n}.in_proj_bias": (3 * e,),  # noqa: E731
+                                  f"{n}.out_proj.weight": (e, e), f"{n}.out_proj.bias": (e,)})
+    wb("image_proj", (d, enc, 1, 1), d)
+    wb("hq_fusion.early_proj.0", (d, enc), d), wb("hq_fusion.early_proj.1", (d,), d)
+    wb("hq_fusion.fusion.0", (d, 2 * d, 1, 1), d), wb("hq_fusion.fusion.1", (d,), d)
+    wb("hq_fusion.fusion.3", (d, d, 3, 3), d), wb("hq_fusion.fusion.4", (d,), d)
+    for i, (cin, cout) in enumerate(((1, d // 16), (d // 16, d // 8), (d // 8, d // 4), (d // 4, d)), start=1):
+        wb(f"mask_encoder.conv{i}.0", (cout, cin, 3, 3), cout), wb(f"mask_encoder.conv{i}.1", (cout,), cout)
+    for b in range(blocks):
+        n = f"transformer_blocks.{b}"
+        for a in ("output_self_attn", "cross_attn_token_to_image", "cross_attn_image_to_token"):
+            attn(f"{n}.{a}", d)
+        wb(f"{n}.mlp.0", (8 * d, d), 8 * d), wb(f"{n}.mlp.2", (d, 8 * d), d)
+        for k in range(1, 5):
+            wb(f"{n}.norm{k}", (d,), d)
+    attn("final_token_to_image", d), wb("final_norm", (d,), d)
+    for i, (cin, cout) in zip((0, 6, 12), ((d, d // 2), (d // 2, d // 4), (d // 4, d // 8))):
+        wb(f"upsample.{i}", (cin, cout, 2, 2), cout), wb(f"upsample.{i + 1}.norm", (cout,), cout)
+        wb(f"upsample.{i + 3}", (cout, cout, 3, 3), cout), wb(f"upsample.{i + 4}.norm", (cout,), cout)
+    wb("final_q_proj", (d // 8, d), d // 8), attn("final_attn_up", d // 8), wb("final_norm_up", (d // 8,), d // 8)
+    for m in range(masks):
+        for k in (0, 2, 4):
+            wb(f"mask_mlps.{m}.{k}", (d // 8, d // 8), d // 8)
+    wb("iou_head.0", (d, d), d), wb("iou_head.2", (d, d), d), wb("iou_head.4", (masks, d), masks)
+    return s
+
+
+def refine_latency(model: Moondream) -> dict:
+    """Segment's refinement on the GPU at full size: the vision encoder on one 378 px crop with its early features,
+    then five rounds of the head (the CPU stages: benchmarks/segment_cpu_stages.py)."""
+    import time
+
+    import numpy as np
+
+    head = RefinerHead({k: torch.randn(v, device="cuda", dtype=model.dtype) * 0.05
+                        for k, v in refiner_shapes(model.config.vision.enc_dim, 256).items()})
+    refiner = segment_refiner.SegmentRefiner(model, head, executor=None)
+    rng = np.random.default_rng(0)
+    crop = segment_refiner._Crop((0, 0, 378, 378), rng.integers(0, 256, (378, 378, 3), dtype=np.uint8),
+                                 (rng.random((378, 378)) > 0.5).astype(np.uint8), 378, 378)
+    times = []
+    for i in range(23):
+        t = time.perf_counter()
+        refiner._run_head(crop)  # (ends with the mask's copy to the host: synchronised)
+        times.append((time.perf_counter() - t) * 1000)
+    return {"gpu_encoder_and_head_ms_median": round(sorted(times[3:])[10], 2)}
 
 
 def main() -> int:
@@ -35,6 +89,8 @@ def main() -> int:
     before = torch.cuda.memory_allocated()
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
     res["weights_GB"] = (torch.cuda.memory_allocated() - before) / 1e9
+    res["segment_refine"] = refine_latency(model)
+    print(json.dumps(res["segment_refine"]), flush=True)
     rows = []
     with torch.inference_mode():
         for context in (64, 800):

@@ -40,6 +40,7 @@ class RuntimeConfig:
     max_adapters: int = 32  # adapters kept loaded on the device (LRU)
     max_adapter_rank: int = 32  # the device pool holds KESTREL_MAX_ADAPTERS slots of this rank
     image_workers: int = 0  # threads decoding and cropping images (0: from the machine's CPU count)
+    seg_refiner_path: str = ""  # Moondream 3's segment refiner: model.pt (or a folder holding it)
 
     ENV = {
         "model_path": "KESTREL_MODEL_PATH", "model": "KESTREL_MODEL", "revision": "KESTREL_REVISION",
@@ -51,6 +52,7 @@ class RuntimeConfig:
         "max_objects": "KESTREL_MAX_OBJECTS", "chaos_fail_after_steps": "KESTREL_CHAOS_FAIL_AFTER_STEPS",
         "adapter_dir": "KESTREL_ADAPTER_DIR", "max_adapters": "KESTREL_MAX_ADAPTERS",
         "max_adapter_rank": "KESTREL_MAX_ADAPTER_RANK", "image_workers": "KESTREL_IMAGE_WORKERS",
+        "seg_refiner_path": "KESTREL_SEG_REFINER_PATH",
     }
 
     @classmethod
@@ -99,6 +101,8 @@ class RuntimeConfig:
             raise ConfigError(f"KESTREL_ADAPTER_DIR {self.adapter_dir!r} is not a folder")
         if self.model_path and not Path(self.model_path).exists():
             raise ConfigError(f"KESTREL_MODEL_PATH {self.model_path!r} does not exist")
+        if self.seg_refiner_path and not Path(self.seg_refiner_path).exists():
+            raise ConfigError(f"KESTREL_SEG_REFINER_PATH {self.seg_refiner_path!r} does not exist")
 
     @property
     def uses_tiny_checkpoint(self) -> bool:
@@ -120,6 +124,17 @@ class RuntimeConfig:
         from .model.hub import resolve_tokenizer
 
         return resolve_tokenizer(self.model)
+
+    def seg_refiner(self) -> Path | None:
+        """Moondream 3's segment refiner weights: KESTREL_SEG_REFINER_PATH, else (a model from the hub) its own
+        download, moondream/SegHeadRefiner; a local model without the variable has none (coarse outlines)."""
+        if self.seg_refiner_path:
+            return Path(self.seg_refiner_path)
+        if self.model_path or not self.model:
+            return None
+        from .model.hub import resolve_seg_refiner
+
+        return resolve_seg_refiner()
 
     def image_worker_count(self) -> int:
         """Threads for image decode and cropping: KESTREL_IMAGE_WORKERS, else all but two of the CPUs (the engine

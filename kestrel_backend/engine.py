@@ -18,13 +18,15 @@ from .config import RuntimeConfig
 from .errors import EngineError, EngineOverloaded, InvalidRequest, RequestCancelled
 from .images import ImageLimits, decode_image
 from .model.moondream import Moondream
+from .model.seg_refiner import RefinerHead
 from .model.tokenizer import IncrementalDetokenizer
 from .runtime.adapters import AdapterRegistry
 from .runtime.image_cache import ImageCache, image_key
 from .runtime.kv_cache import PagedKVCache
 from .runtime.scheduler import Scheduler, make_crop_encoder, make_decoder, make_prefill_graphs
+from .runtime.segment_refiner import SegmentRefiner
 from .runtime.sequence import Delivery, EngineResult, Sequence, StreamChunk
-from .skills.generation import Generation, ReasoningThenAnswer, RegionGeneration, TextGeneration
+from .skills.generation import Generation, ReasoningThenAnswer, RegionGeneration, SegmentGeneration, TextGeneration
 from .skills.prompts import caption_prompt, query_prompt, region_prompt, spatial_refs_start
 from .skills.settings import Settings
 
@@ -63,7 +65,8 @@ class EngineStream:
 
 
 class InferenceEngine:
-    def __init__(self, config: RuntimeConfig, model: Moondream):
+    def __init__(self, config: RuntimeConfig, model: Moondream, refiner_head=None):
+        """refiner_head: Moondream 3's segment refiner (model.seg_refiner.RefinerHead), or None: coarse segments."""
         self.config = config
         self.model = model
         _use_device(model.device)  # (CUDA's current device is per thread: this one captures the graphs)
@@ -93,6 +96,8 @@ class InferenceEngine:
             crop_encoder.warmup()
         self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, prefill_graphs,
                                    config.prefix_cache_size, crop_encoder, self.adapters)
+        if refiner_head is not None:
+            self.scheduler.segment_refiner = SegmentRefiner(model, refiner_head, self._decoders)
         if config.chaos_fail_after_steps:
             log.warning("KESTREL_CHAOS_FAIL_AFTER_STEPS=%d: every step after that many will fail (chaos testing)",
                         config.chaos_fail_after_steps)
@@ -112,7 +117,15 @@ class InferenceEngine:
                                           tokenizer_dir=config.tokenizer_dir())
         if model.tokenizer is None:
             raise ValueError(f"{path}: no tokenizer.json next to the weights")
-        return cls(config, model)
+        head = None
+        if model.config.is_moondream3:
+            head_path = config.seg_refiner()
+            if head_path is None:
+                log.warning("segment serves coarse outlines: no refiner (set KESTREL_SEG_REFINER_PATH to the "
+                            "moondream/SegHeadRefiner model.pt)")
+            else:
+                head = RefinerHead.load(head_path, model.device, model.dtype)
+        return cls(config, model, head)
 
     def _run_loop(self) -> None:
         _use_device(self.model.device)
@@ -181,27 +194,36 @@ class InferenceEngine:
         return await self._region("detect", image, object, settings)
 
     async def segment(self, image: bytes, object: str, settings: dict | None = None) -> EngineResult:
-        if not self.model.config.is_moondream3:
+        """{"segments": [{"svg_path", "bbox", ...}]}: the object's outline (refined when the refiner is loaded)."""
+        if "segment" not in self.model.config.tokenizer.templates:
             raise InvalidRequest(f"SKILL segment is not supported by {self.model.name}, the loaded model: "
                                  "segment needs Moondream 3")
-        raise InvalidRequest("SKILL segment is not implemented by this server yet (its mask refiner is not "
-                             f"served); {self.model.name} serves query, caption, point and detect")
+        if not isinstance(object, str) or not object.strip():
+            raise InvalidRequest("OBJECT is required and must be non-empty text")
+        ids = region_prompt(self.model.config.tokenizer, "segment", self.model.tokenizer.encode(object.strip()).ids)
+        s = self._settings(settings, greedy=True)
+        return await self._submit("segment", self._need_image(image), ids, s, False, object_text=object.strip())
 
     async def submit_tokens(self, skill: str, image: bytes | None, ids: list[int], settings: dict | None = None,
                             stream: bool = False, reasoning: bool = False, spatial_refs=None):
         """Token-level entry (parity and tests): ids are the question (query), the object (point/detect),
         or the whole prompt (caption)."""
-        s = self._settings(settings)
-        if skill in ("point", "detect"):
+        s = self._settings(settings, greedy=skill == "segment")
+        object_text = self.model.tokenizer.decode(ids) if skill == "segment" else ""
+        if skill in ("point", "detect", "segment"):
             ids = region_prompt(self.model.config.tokenizer, skill, ids)
         refs = _check_spatial_refs(spatial_refs, image)
-        return await self._submit(skill, image, ids, s, stream, reasoning=reasoning, spatial_refs=refs)
+        return await self._submit(skill, image, ids, s, stream, reasoning=reasoning, spatial_refs=refs,
+                                  object_text=object_text)
 
     # --- internals ---
-    def _settings(self, settings: dict | None) -> Settings:
+    def _settings(self, settings: dict | None, greedy: bool = False) -> Settings:
+        """greedy: the skill samples greedily unless SETTINGS asks otherwise (segment, as in Kestrel)."""
         if settings is not None and not isinstance(settings, dict):
             raise InvalidRequest("SETTINGS must be a JSON object")
-        return Settings.from_dict(settings, max_tokens_limit=self.max_context, max_objects_limit=self.config.max_objects)
+        defaults = {"temperature": 0.0, "top_p": 1.0} if greedy else {}
+        return Settings.from_dict(settings, max_tokens_limit=self.max_context, max_objects_limit=self.config.max_objects,
+                                  **defaults)
 
     @staticmethod
     def _need_image(image) -> bytes:
@@ -218,6 +240,11 @@ class InferenceEngine:
     def _crop(self, data: bytes):
         return self.model.crop_image(decode_image(data, self.image_limits))
 
+    def _pixels_and_crop(self, data: bytes, crop: bool):
+        """Segment's image: its pixels are kept for the refiner (and cropped unless the image cache has it)."""
+        pixels = decode_image(data, self.image_limits)
+        return pixels, self.model.crop_image(pixels) if crop else None
+
     async def _decode_once(self, key: str, data: bytes):
         """The image's crops, decoded off the engine thread once for all requests that bring it meanwhile
         (a burst of questions on one new image). shield: a cancelled request leaves the others' decode be."""
@@ -227,18 +254,20 @@ class InferenceEngine:
             decoding.add_done_callback(lambda _: self._decoding.pop(key, None))
         return await asyncio.shield(decoding)
 
-    def _generation(self, skill: str, settings: Settings, reasoning: bool) -> Generation:
+    def _generation(self, skill: str, settings: Settings, reasoning: bool, object_text: str = "") -> Generation:
         tok = self.model.config.tokenizer
+        if skill == "segment":
+            return SegmentGeneration(tok, settings, self.model, object_text)
         if skill in ("point", "detect"):
             return RegionGeneration(tok, settings, self.model, with_size=skill == "detect")
         if reasoning:
             return ReasoningThenAnswer(tok, settings, self.model)
         return TextGeneration(tok, settings)
 
-    async def _submit(self, skill, image, ids, settings, stream, reasoning=False, spatial_refs=()):
+    async def _submit(self, skill, image, ids, settings, stream, reasoning=False, spatial_refs=(), object_text=""):
         arrived = time.perf_counter()  # TTFT counts from here: image decode and admission waits included
         delivery = Delivery(asyncio.get_running_loop(), stream)
-        admit = self._admit(skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived)
+        admit = self._admit(skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived, object_text)
         try:
             if delivery.loop is self.loop:  # a caller on the engine loop (the Triton adapter): no hop between loops
                 await admit
@@ -251,19 +280,23 @@ class InferenceEngine:
             delivery.cancel()  # the caller went away: drop the request at the next step
             raise
 
-    async def _admit(self, skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived: float) -> None:
+    async def _admit(self, skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived: float,
+                     object_text: str = "") -> None:
         """Runs on the engine loop: bounded queue, image decode (off-thread), adapter, context check."""
         if self._queue_depth >= self.config.max_queue:
             raise EngineOverloaded(f"server overloaded: {self.config.max_queue} requests already queued; retry later")
         self._admitting += 1
         adapter = None
         try:
-            key = cropped = None
+            key = cropped = pixels = None
             if image is not None:
                 if not isinstance(image, (bytes, bytearray)):
                     raise InvalidRequest("IMAGE must be encoded image bytes")
                 key = image_key(bytes(image))
-                if key not in self.images:
+                if skill == "segment" and self.scheduler.segment_refiner is not None:
+                    pixels, cropped = await self.loop.run_in_executor(self._decoders, self._pixels_and_crop,
+                                                                      bytes(image), key not in self.images)
+                elif key not in self.images:
                     cropped = await self._decode_once(key, bytes(image))
             tok = self.model.config.tokenizer
             overrides = None
@@ -271,11 +304,11 @@ class InferenceEngine:
                 ids = query_prompt(tok, ids, key is not None, reasoning, spatial_refs)
                 if spatial_refs:
                     overrides = self.model.spatial_ref_overrides(spatial_refs, spatial_refs_start(tok, key is not None))
-            gen = self._generation(skill, settings, reasoning)
+            gen = self._generation(skill, settings, reasoning, object_text)
             prefix = self.model.config.text.prefix_attn if key is not None else 0
             prompt_len = prefix + len(ids)
             if prompt_len >= self.max_context:
-                field = "QUESTION" if skill == "query" else "OBJECT" if skill in ("point", "detect") else "prompt"
+                field = "QUESTION" if skill == "query" else "OBJECT" if skill in ("point", "detect", "segment") else "prompt"
                 raise InvalidRequest(f"{field} is too long: {prompt_len} tokens with the image, context is {self.max_context}")
             capacity = min(self.max_context, prompt_len + _new_positions(skill, settings, reasoning))
             if self.kv.pages_for(capacity) > self.kv.num_pages:
@@ -287,7 +320,7 @@ class InferenceEngine:
             detok = IncrementalDetokenizer(self.model.tokenizer) if stream_text(skill, delivery.stream) else None
             seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, cropped=cropped,
                            capacity=capacity, detok=detok, adapter=adapter, prompt_overrides=overrides,
-                           t_submit=arrived)
+                           t_submit=arrived, pixels=pixels)
             self.scheduler.add(seq)
         except BaseException:
             if adapter is not None:

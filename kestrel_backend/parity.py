@@ -4,7 +4,9 @@
 
 One line per case (PASS/FAIL, max abs diff), then "N passed, M failed"; exit 0 only if all pass.
 Tolerances (float32): logits and embeddings within 1e-4 relative to the largest reference value,
-identical crop tiling and pixels, identical greedy tokens, coordinates within 1e-4.
+identical crop tiling and pixels, identical greedy tokens, coordinates within 1e-4. Segment (Moondream 3):
+identical coarse paths, boxes and coarse masks; refined masks differing in at most 0.001% of the pixels (the head's own sigmoid
+mask within 1e-5), the refined box equal, and our outline of the refined mask drawn back covering it (IoU at least 0.99).
 """
 
 from __future__ import annotations
@@ -21,13 +23,19 @@ from .model.image_crops import overlap_crops
 from .model.lora import build_adapter, read_adapter_tensors
 from .model.moondream import Moondream
 from .model.weights import load_state
-from .skills.generation import Prompt, ReasoningThenAnswer, RegionGeneration, TextGeneration
+from .model.seg_refiner import RefinerHead
+from .runtime.segment_refiner import SegmentRefiner
+from .skills.generation import Prompt, ReasoningThenAnswer, RegionGeneration, SegmentGeneration, TextGeneration
 from .skills.prompts import caption_prompt, query_prompt, region_prompt, spatial_refs_start
+from .skills.segment import coarse_segment
 from .skills.settings import Settings
 from .skills.single import run_single
 
 REL_TOL = 1e-4
 COORD_TOL = 1e-4
+SOFT_MASK_TOL = 1e-5  # the refiner head's sigmoid mask (measured: 2.3e-6)
+MASK_DIFF_TOL = 1e-5  # fraction of a refined mask's pixels that may differ (float rounding at the 0.5 threshold)
+OUTLINE_IOU = 0.99  # the outline runs a quarter pixel inside the mask's edges (measured 0.994 to 0.996)
 
 
 def _rel_diff(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
@@ -132,12 +140,96 @@ class Checker:
     def check_detect(self, case):
         return self._check_region(case, "detect", "objects")
 
+    def refiner(self) -> SegmentRefiner:
+        if not hasattr(self, "_refiner"):
+            head = RefinerHead.load(self.folder / "seg_refiner", self.model.device, self.model.dtype)
+            self._refiner = SegmentRefiner(self.model, head, executor=None)
+        return self._refiner
+
+    def check_segment(self, case):
+        """Decoding: logits, tokens, coordinates and sizes; then the result as in check_segment_finalize."""
+        tok = self.model.config.tokenizer
+        gen = SegmentGeneration(tok, Settings(temperature=0.0, max_tokens=case["max_tokens"]), self.model)
+        logits = run_single(self.model, self._prompt(case, region_prompt(tok, "segment", case["object_ids"])), gen)
+        ok, msg = self._compare_text(case, gen, logits, gen.tokens)
+        coords = [v[1] for v in case["stream"] if isinstance(v, list) and v[0] == "c"]
+        sizes = [v[1:] for v in case["stream"] if isinstance(v, list) and v[0] == "s"]
+        cdiff = max([abs(a - b) for a, b in zip(gen.coords, coords)] +
+                    [abs(a - b) for s, r in zip(gen.sizes, sizes) for a, b in zip(s, r)], default=0.0)
+        same = len(gen.coords) == len(coords) and len(gen.sizes) == len(sizes) and cdiff <= COORD_TOL
+        ok2, msg2 = self._check_segment_output(case, gen.text_ids, gen.coords, gen.sizes)
+        return ok and same and ok2, f"{msg}, coordinates and sizes max abs diff {cdiff:.3g}; {msg2}"
+
+    def check_segment_finalize(self, case):
+        """A decoded stream (text ids, ["c", coordinate], ["s", width, height]) -> the skill's result."""
+        stream = case["stream"]
+        return self._check_segment_output(case, [v for v in stream if isinstance(v, int)],
+                                          [v[1] for v in stream if isinstance(v, list) and v[0] == "c"],
+                                          [tuple(v[1:]) for v in stream if isinstance(v, list) and v[0] == "s"])
+
+    def _check_segment_output(self, case, text_ids, coords, sizes):
+        from .skills import segment_masks
+
+        ref = case["output"]["segments"][0]
+        ours = coarse_segment(ref["object"], self.model.tokenizer, text_ids, coords, sizes)
+        keys = [k for k in ref if k not in ("svg_path", "bbox", "parse_error")]
+        bad = [k for k in keys if not _close(ours.get(k), ref[k])]
+        if ("parse_error" in ours) != ("parse_error" in ref):
+            bad.append("parse_error")
+        image = self.image(case["image"])
+        h, w = image.shape[:2]
+        notes = []
+        if "mask_coarse" in case:
+            coarse = segment_masks.path_mask(ours["coarse_path"], ours["coarse_bbox"], w, h)
+            same = np.array_equal(coarse, _unpack(self.arrays[case["mask_coarse"]], h, w))
+            bad += [] if same else ["coarse mask"]
+            notes.append(f"coarse mask {'equal' if same else 'DIFFERS'} ({int(coarse.sum())} px)")
+        masks = self.refiner().refined_mask(image, ours["svg_path"], ours["bbox"]) if ours["svg_path"] and \
+            "bbox" in ours else None
+        soft, refined = masks if masks is not None else (None, None)
+        if "refiner_soft" in case:
+            diff = float(np.max(np.abs(soft - self.arrays[case["refiner_soft"]])))
+            bad += [] if diff <= SOFT_MASK_TOL else ["refiner's mask"]
+            notes.append(f"refiner's 378 px mask max abs diff {diff:.3g}")
+        if "mask_refined" in case:
+            expected = _unpack(self.arrays[case["mask_refined"]], h, w)
+            if refined is None:
+                return False, "no refined mask, the reference refined it"
+            differ = int(np.count_nonzero(refined != expected))
+            box = segment_masks.mask_box(refined)
+            drawn = segment_masks.path_mask(segment_masks.outline(refined, box), box, w, h)
+            iou = np.logical_and(drawn, refined).sum() / max(np.logical_or(drawn, refined).sum(), 1)
+            bad += [] if differ <= MASK_DIFF_TOL * refined.size else ["refined mask"]
+            bad += [] if _close(box, ref["bbox"]) else ["refined bbox"]
+            bad += [] if iou >= OUTLINE_IOU else ["outline"]
+            notes.append(f"refined mask {differ} px differ of {int(expected.sum())}, outline IoU {iou:.3f}")
+        elif refined is not None and refined.any():
+            bad.append("refined (the reference kept the coarse result)")
+        elif ours["svg_path"] != ref["svg_path"] or not _close(ours.get("bbox"), ref.get("bbox")):
+            bad.append("svg_path/bbox")
+        return not bad, (f"DIFFER: {', '.join(bad)}; " if bad else "equal keys; ") + ", ".join(notes)
+
     def check_legacy_layout(self) -> tuple[bool, str]:
         config = self.model.config
         current = load_state(self.folder / "model.safetensors", config)
         legacy = load_state(self.folder / "legacy", config)
         bad = [k for k in current if not torch.equal(current[k], legacy[k])]
         return not bad, f"{len(current)} tensors, {len(bad)} differ" + (f" (first: {bad[0]})" if bad else "")
+
+
+def _close(a, b) -> bool:
+    """Equal JSON values, floats within COORD_TOL."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= COORD_TOL
+    return a == b
+
+
+def _unpack(bits: np.ndarray, h: int, w: int) -> np.ndarray:
+    return np.unpackbits(bits)[:h * w].reshape(h, w)
 
 
 def submit_case(engine, folder: Path, case: dict):
@@ -152,6 +244,8 @@ def submit_case(engine, folder: Path, case: dict):
                                     spatial_refs=case.get("spatial_refs"))
     if kind == "caption":
         return engine.submit_tokens("caption", image, case["prompt_ids"], text)
+    if kind == "segment":
+        return engine.submit_tokens("segment", image, case["object_ids"], {"max_tokens": case["max_tokens"]})
     return engine.submit_tokens(kind, image, case["object_ids"], {"max_objects": case["max_objects"], **adapter})
 
 
@@ -163,6 +257,10 @@ def result_matches(engine, case: dict, result) -> bool:
         if case.get("reasoning"):
             same = same and result.output["reasoning"]["text"] == tok.decode(case["reasoning_tokens"])
         return same
+    if case["kind"] == "segment":  # (the golden decode cases' outlines do not parse: nothing to refine)
+        got, want = result.output["segments"][0], case["output"]["segments"][0]
+        return result.finish_reason == case["finish_reason"] and ("parse_error" in got) == ("parse_error" in want) \
+            and all(_close(got.get(k), want[k]) for k in want if k not in ("object", "parse_error"))
     key = "points" if case["kind"] == "point" else "objects"
     got = result.output[key]
     return len(got) == len(case[key]) and all(abs(o[k] - min(1.0, max(0.0, g[k]))) <= COORD_TOL

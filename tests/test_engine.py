@@ -3,6 +3,7 @@
 import asyncio
 import json
 
+import numpy as np
 import pytest
 
 from kestrel_backend import parity
@@ -511,8 +512,8 @@ def test_ttft_counts_from_the_requests_arrival(engine, tiny_dir, monkeypatch):
 
 def test_moondream3_engine_streams_caches_prefixes_and_refuses_what_it_lacks(tiny_dir):
     """Moondream 3 in the engine: a streamed answer joins to the golden text, a second question on an image hits
-    the prefix cache and still equals the golden answer, segment and adapters are clear errors for that request
-    only; no KV page stays held."""
+    the prefix cache and still equals the golden answer, segment without a refiner answers the coarse outline,
+    adapters are a clear error for that request only; no KV page stays held."""
     folder = tiny_dir.parent / "md3-tiny"
     cases = {c["name"]: c for c in json.loads((folder / "cases.json").read_text())["cases"]}
     eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32"))
@@ -531,10 +532,62 @@ def test_moondream3_engine_streams_caches_prefixes_and_refuses_what_it_lacks(tin
         hits = eng.stats()["prefix_hits"]
         _check_against_golden(eng, cases["point_small"], asyncio.run(parity.submit_case(eng, folder, cases["point_small"])))
         assert eng.stats()["prefix_hits"] == hits + 1
-        with pytest.raises(InvalidRequest, match="segment is not implemented"):
-            asyncio.run(eng.segment(image, "cat"))
+        segment = asyncio.run(eng.segment(image, "cat", settings={"max_tokens": 8})).output["segments"][0]
+        assert segment["refined"] is False and len(segment["token_ids"]) <= 8
         with pytest.raises(InvalidRequest, match="adapters are served for Moondream 2 only"):
             asyncio.run(eng.query(image, "hi", settings={"adapter": "r8"}))
+        assert eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
+def test_moondream3_segment_decodes_refines_and_equals_kestrels_pipeline(tiny_dir):
+    """Segment on the tiny Moondream 3 with its refiner: the golden decode cases batched at once equal the reference
+    (tokens, and Kestrel's result shape and values); a finished outline refined on the running engine (the image
+    workers and the engine thread) gives the same refined mask and box as Kestrel's refiner; empty OBJECT and a
+    missing IMAGE are clear errors; no KV page stays held."""
+    from kestrel_backend.runtime.segment_refiner import SegmentRefiner
+    from kestrel_backend.skills import segment_masks
+    from kestrel_backend.skills.segment import coarse_segment
+
+    folder = tiny_dir.parent / "md3-tiny"
+    cases = {c["name"]: c for c in json.loads((folder / "cases.json").read_text())["cases"]}
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32",
+                                               seg_refiner_path=str(folder / "seg_refiner")))
+    try:
+        decode = [cases["segment_small"], cases["segment_medium"]]
+
+        async def together():
+            return await asyncio.gather(*[eng.submit_tokens("segment", (folder / c["image"]).read_bytes(),
+                                                            c["object_ids"], {"max_tokens": c["max_tokens"]})
+                                          for c in decode])
+
+        for case, result in zip(decode, asyncio.run(together())):
+            got, want = result.output["segments"][0], case["output"]["segments"][0]
+            assert result.finish_reason == case["finish_reason"]
+            assert got["token_ids"] == want["token_ids"] and got["path_tokens"] == want["path_tokens"]
+            assert "parse_error" in got and got["svg_path"] == "" and not got["refined"]
+
+        case = cases["segment_finalize_polygon_curve_wide"]
+        stream, want = case["stream"], case["output"]["segments"][0]
+        coarse = coarse_segment("obj", eng.model.tokenizer, [v for v in stream if isinstance(v, int)],
+                                [v[1] for v in stream if isinstance(v, list) and v[0] == "c"],
+                                [tuple(v[1:]) for v in stream if isinstance(v, list) and v[0] == "s"])
+        assert coarse["coarse_path"] == want["coarse_path"] and coarse["coarse_bbox"] == want["coarse_bbox"]
+        pixels = eng._pixels_and_crop((folder / case["image"]).read_bytes(), crop=False)[0]
+        refiner: SegmentRefiner = eng.scheduler.segment_refiner
+        refined = asyncio.run_coroutine_threadsafe(refiner.refine(coarse, pixels), eng.loop).result(60)
+        assert refined["refined"] and refined["bbox"] == want["bbox"] and refined["svg_path"] != coarse["svg_path"]
+        h, w = pixels.shape[:2]
+        expected = np.unpackbits(np.load(folder / "golden.npz")[case["mask_refined"]])[:h * w].reshape(h, w)
+        drawn = segment_masks.path_mask(refined["svg_path"], refined["bbox"], w, h)
+        assert np.logical_and(drawn, expected).sum() / np.logical_or(drawn, expected).sum() >= parity.OUTLINE_IOU
+
+        image = (folder / "images/small.png").read_bytes()
+        with pytest.raises(InvalidRequest, match="OBJECT is required"):
+            asyncio.run(eng.segment(image, "  "))
+        with pytest.raises(InvalidRequest, match="IMAGE is required"):
+            asyncio.run(eng.segment(None, "cat"))
         assert eng.no_request_holds_pages()
     finally:
         eng.shutdown()

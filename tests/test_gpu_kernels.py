@@ -382,15 +382,18 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
 
 
 def test_gpu_vision_blocks_match_the_torch_blocks(tiny_model):
-    """The GPU form of the vision encoder (residual adds in the GEMMs, biases carried into the norms)."""
+    """The GPU form of the vision encoder (residual adds in the GEMMs, biases carried into the norms), and the
+    residual stream after a block that it hands out on request."""
     from kestrel_backend.model import vision
 
     v, w = tiny_model.config.vision, tiny_model.weights.vision
     crops = torch.rand(2, 3, v.crop_size, v.crop_size, generator=torch.Generator().manual_seed(0)) * 2 - 1
     x = vision.embed_patches(crops, w, v)
     out = torch.full_like(x, float("nan"))  # (a CUDA graph's static output buffer)
-    got = vision._encode_blocks_cuda(x.clone(), w, v, out)
-    assert got.data_ptr() == out.data_ptr() and rel_err(got, vision.encode_crops(crops, w, v)) < 1e-5
+    early, early_ref = {8: None}, {8: None}
+    got = vision._encode_blocks_cuda(x.clone(), w, v, out, early)
+    assert got.data_ptr() == out.data_ptr() and rel_err(got, vision.encode_crops(crops, w, v, early=early_ref)) < 1e-5
+    assert rel_err(early[8], early_ref[8]) < 1e-5  # the segment refiner's features (the stream's biases added back)
 
 
 def test_encode_images_takes_each_batch_out_of_a_reused_buffer(tiny_model, monkeypatch):

@@ -413,13 +413,16 @@ def test_http_generate_and_generate_stream_take_base64_images(triton_server, cli
 
 def test_moondream3_served_for_every_skill_equals_the_engine(tmp_path_factory, tiny_dir):
     """A second real tritonserver serving the tiny Moondream 3 (found from its config.json, no flag): every skill,
-    streamed and not, equals the in-process engine; segment is a clear error and the server keeps serving."""
+    streamed and not, equals the in-process engine (segment with its refiner too)."""
     from conftest import TritonProcess
 
     folder = tiny_dir.parent / "md3-tiny"
     image = (folder / "images" / "medium.png").read_bytes()
-    server = TritonProcess(tmp_path_factory.mktemp("triton-md3"), KESTREL_MODEL_PATH=str(folder))
-    eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32"))
+    refiner = str(folder / "seg_refiner")
+    server = TritonProcess(tmp_path_factory.mktemp("triton-md3"), KESTREL_MODEL_PATH=str(folder),
+                           KESTREL_SEG_REFINER_PATH=refiner)
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32",
+                                               seg_refiner_path=refiner))
     try:
         client = MoondreamClient(server["grpc"], timeout=120)
         direct = lambda fn: asyncio.run(fn(eng)).output  # noqa: E731
@@ -434,8 +437,11 @@ def test_moondream3_served_for_every_skill_equals_the_engine(tmp_path_factory, t
                 direct(lambda e: e.caption(image, length, settings=GREEDY))["caption"]
         assert client.point(image, "dog")["points"] == direct(lambda e: e.point(image, "dog"))["points"]
         assert client.detect(image, "dog")["objects"] == direct(lambda e: e.detect(image, "dog"))["objects"]
-        with pytest.raises(MoondreamError, match="segment is not implemented"):
-            client.segment(image, "dog")
+        few = {"max_tokens": 12}
+        assert client.segment(image, "dog", settings=few)["segments"] == \
+            direct(lambda e: e.segment(image, "dog", settings=few))["segments"]
+        with pytest.raises(MoondreamError, match="OBJECT is required"):
+            client.segment(image, " ")
         assert client.caption(image, "short", settings=GREEDY)["caption"]
     finally:
         eng.shutdown()

@@ -28,3 +28,12 @@ def resolve_tokenizer(model: str, cache_dir: str | None = None) -> Path | None:
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(repo_id=repo_id, cache_dir=cache_dir, allow_patterns=["tokenizer.json"]))
+
+
+SEG_REFINER = "moondream/SegHeadRefiner"  # Moondream 3's segment refiner head (gated like the model: HF_TOKEN)
+
+
+def resolve_seg_refiner(cache_dir: str | None = None) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(repo_id=SEG_REFINER, filename="model.pt", cache_dir=cache_dir))

@@ -52,20 +52,23 @@ def _attend_heads(x: torch.Tensor, qkv, n_heads: int) -> torch.Tensor:
 
 
 def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, early: dict | None = None) -> torch.Tensor:
     """[B, 3, crop, crop] -> patch features [B, grid*grid, enc_dim]; crops of many images may share a batch.
-    On a GPU the features are written into out if given (a CUDA graph's static buffer)."""
+    On a GPU the features are written into out if given (a CUDA graph's static buffer). early: {layer: None}
+    asks for the residual stream after that block too (the segment refiner's), filled in as {layer: tensor}."""
     x = embed_patches(crops, w, config)
     if x.is_cuda:
-        return _encode_blocks_cuda(x, w, config, out)
-    for block in w.blocks:
+        return _encode_blocks_cuda(x, w, config, out, early)
+    for i, block in enumerate(w.blocks):
         x = x + linear(_attend_heads(layer_norm(x, block.ln1), block.qkv, config.enc_n_heads), block.proj)
         x = x + mlp(layer_norm(x, block.ln2), block.mlp)
+        if early is not None and i in early:
+            early[i] = x
     return layer_norm(x, w.post_ln)
 
 
 def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, early: dict | None = None) -> torch.Tensor:
     """The same blocks with the residual adds done by the output GEMMs (in place, beta = 1). Their biases
     are left out of the stream and added back by the next norm: w.bias_sums[i] sums all biases before it."""
     from .layer_norm_cuda import shifted_layer_norm
@@ -77,6 +80,8 @@ def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig,
         x.addmm_(_attend_heads(h.view(b, n, d), block.qkv, config.enc_n_heads).view(b * n, d), block.proj.weight.t())
         h = shifted_layer_norm(x, w.bias_sums[2 * i + 1], block.ln2.weight, block.ln2.bias)
         x.addmm_(mlp_hidden(h, block.mlp), block.mlp.fc2.weight.t())
+        if early is not None and i in early:  # (a copy, with the biases the stream leaves out)
+            early[i] = (x.float() + w.bias_sums[2 * i + 2]).to(x.dtype).view(b, n, d)
     return shifted_layer_norm(x, w.bias_sums[-1], w.post_ln.weight, w.post_ln.bias,
                               out=None if out is None else out.view(b * n, d)).view(b, n, d)
 

@@ -20,8 +20,9 @@ import torch
 from ..errors import EngineError, RequestCancelled
 from ..model.lora import LoraRows
 from ..model.moondream import Moondream
-from ..skills.generation import ReasoningThenAnswer, RegionGeneration
+from ..skills.generation import ReasoningThenAnswer, RegionGeneration, SegmentGeneration
 from ..skills.sampling import choose_tokens
+from ..skills.segment import coarse_segment
 from .attention import SeqSlice, TorchPagedAttention
 from .image_cache import ImageCache
 from .kv_cache import PagedKVCache
@@ -98,6 +99,8 @@ class Scheduler:
         self._ahead = None  # a decode step launched before the last one's tokens were read (see _decode)
         self._chosen: dict[int, int] = {}  # the tokens chosen in the last step, by sequence id
         self.steps_ahead = {"used": 0, "dropped": 0}
+        self.segment_refiner = None  # runtime.segment_refiner.SegmentRefiner (Moondream 3), or None: coarse outlines
+        self._refining: dict[asyncio.Task, Sequence] = {}  # segments being refined after leaving the batch
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -120,6 +123,9 @@ class Scheduler:
             self._end(seq, error=EngineError("engine shut down"))
         self.waiting.clear()
         self.running.clear()
+        for task, seq in list(self._refining.items()):
+            task.cancel()
+            seq.delivery.fail(EngineError("engine shut down"))
 
     # --- one step ---
     def step(self) -> None:
@@ -330,14 +336,37 @@ class Scheduler:
         last = None
         if seq.detok is not None:
             last = StreamChunk(seq.detok.flush(), max(len(seq.generation.tokens) - 1, 0), final=True)
-        seq.delivery.finish(self._result(seq), last)
+        result = self._result(seq)
+        if seq.pixels is not None and self.segment_refiner is not None:
+            task = asyncio.get_running_loop().create_task(self._refine(seq, result))
+            self._refining[task] = seq
+            task.add_done_callback(self._refining.pop)
+            return
+        seq.delivery.finish(result, last)
+
+    async def _refine(self, seq: Sequence, result: EngineResult) -> None:
+        """A finished segment's outline refined (its pages are free already), then delivered. A refinement that
+        fails keeps the coarse outline: the request still gets its answer."""
+        segments = result.output["segments"]
+        try:
+            segments[0] = await self.segment_refiner.refine(segments[0], seq.pixels)
+        except Exception:
+            log.exception("segment refinement failed: answering with the coarse outline")
+        seq.pixels = None
+        result.metrics["refine_time_ms"] = round((time.perf_counter() - seq.t_end) * 1000, 3)
+        seq.delivery.finish(result, None)
 
     def _result(self, seq: Sequence) -> EngineResult:
         gen, now = seq.generation, time.perf_counter()
+        seq.t_end = now
         if isinstance(gen, RegionGeneration):
             key = "objects" if gen.with_size else "points"
             output = {key: [{k: min(1.0, max(0.0, v)) for k, v in obj.items()} for obj in gen.objects]}
             n_out = len(gen.objects)
+        elif isinstance(gen, SegmentGeneration):
+            output = {"segments": [coarse_segment(gen.object_text, self.model.tokenizer, gen.text_ids, gen.coords,
+                                                  gen.sizes)]}
+            n_out = len(gen.tokens)
         else:
             text = seq.detok.text if seq.detok else self.model.tokenizer.decode(gen.tokens)
             output = {"caption" if seq.skill == "caption" else "answer": text}

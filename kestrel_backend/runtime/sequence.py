@@ -34,7 +34,7 @@ class StreamChunk(str):
 
 @dataclass
 class EngineResult:
-    output: dict  # {"answer"} / {"caption"} / {"points"} / {"objects"} (+ {"reasoning"})
+    output: dict  # {"answer"} / {"caption"} / {"points"} / {"objects"} / {"segments"} (+ {"reasoning"})
     finish_reason: str  # stop | length
     metrics: dict
 
@@ -126,6 +126,7 @@ class Sequence:
     detok: IncrementalDetokenizer | None = None
     adapter: LoraAdapter | None = None  # pinned in the engine's AdapterRegistry until the sequence ends
     prompt_overrides: dict[int, torch.Tensor] | None = None  # prompt index -> embedding (spatial refs)
+    pixels: np.ndarray | None = None  # segment's image, for its refiner
     # filled by the scheduler
     prefix_len: int = 0
     length: int = 0  # positions written so far
@@ -134,6 +135,7 @@ class Sequence:
     streamed_tokens: int = 0
     t_submit: float = field(default_factory=time.perf_counter)  # when the request reached the engine
     t_first: float = 0.0
+    t_end: float = 0.0  # when it left the batch
     prefill_ms: float = 0.0
 
     @property

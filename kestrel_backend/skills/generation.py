@@ -161,3 +161,41 @@ class RegionGeneration(Generation):
         self.objects.append({"x_min": x - w / 2, "y_min": y - h / 2, "x_max": x + w / 2, "y_max": y + h / 2})
         self._state = "token"
         return m.size_embedding(size)
+
+
+class SegmentGeneration(Generation):
+    """Segment: the model writes the box (coordinate and size tokens, decoded by the region heads) and the outline
+    (text); nothing is constrained. Stops at EOS or max_tokens, every token counted."""
+
+    def __init__(self, tok: TokenizerConfig, settings: Settings, model, object_text: str = ""):
+        self.tok, self.settings, self.model = tok, settings, model
+        self.object_text = object_text
+        self.tokens: list[int] = []  # every token chosen
+        self.text_ids: list[int] = []  # the outline's
+        self.coords: list[float] = []
+        self.sizes: list[tuple[float, float]] = []
+        self._seed = _seed(settings)
+
+    def choice(self) -> Choice:
+        return Choice(self.settings.temperature, self.settings.top_p, self._seed, len(self.tokens))
+
+    def on_output(self, token, hidden) -> NextInput:
+        if token == self.tok.eos_id:
+            self._finish("stop")
+            return None
+        self.tokens.append(token)
+        m, nxt = self.model, token
+        if token == self.tok.coord_id:
+            coord = m.coordinate(hidden)
+            self.coords.append(float(coord))
+            nxt = m.coordinate_embedding(coord)
+        elif token == self.tok.size_id:
+            size = m.size(hidden)
+            self.sizes.append((float(size[0]), float(size[1])))
+            nxt = m.size_embedding(size)
+        else:
+            self.text_ids.append(token)
+        if len(self.tokens) >= self.settings.max_tokens:
+            self._finish("length")
+            return None
+        return nxt

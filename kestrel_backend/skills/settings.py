@@ -31,14 +31,16 @@ class Settings:
     adapter: str | None = None  # LoRA adapter id ("variant" in the reference's settings)
 
     @classmethod
-    def from_dict(cls, values: dict | None, max_tokens_limit: int = 2048, max_objects_limit: int = 150) -> "Settings":
+    def from_dict(cls, values: dict | None, max_tokens_limit: int = 2048, max_objects_limit: int = 150,
+                  temperature: float = DEFAULT_TEMPERATURE, top_p: float = DEFAULT_TOP_P) -> "Settings":
+        """temperature, top_p: the skill's defaults (segment decodes greedily unless asked, as Kestrel does)."""
         values = dict(values or {})
         unknown = sorted(set(values) - set(KEYS))
         if unknown:
             raise SettingsError(f"SETTINGS: unknown key(s) {unknown}; allowed: {', '.join(KEYS)}")
         s = cls(
-            temperature=_number(values, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0),
-            top_p=_number(values, "top_p", DEFAULT_TOP_P, 0.0, 1.0, low_open=True),
+            temperature=_number(values, "temperature", temperature, 0.0, 2.0),
+            top_p=_number(values, "top_p", top_p, 0.0, 1.0, low_open=True),
             max_tokens=_integer(values, "max_tokens", DEFAULT_MAX_TOKENS, 1, max_tokens_limit),
             max_objects=_integer(values, "max_objects", min(DEFAULT_MAX_OBJECTS, max_objects_limit), 1, max_objects_limit),
             seed=None if values.get("seed") is None else _integer(values, "seed", 0, 0, 2**63 - 1),
