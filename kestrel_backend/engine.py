@@ -1,4 +1,4 @@
-"""InferenceEngine: the public async API (query, caption, point, detect) over the engine thread.
+"""InferenceEngine: the public async API (query, caption, point, detect, segment) over the engine thread.
 
 `InferenceEngine.create(config)` loads the model and starts ONE thread running its own asyncio
 loop; that loop owns the device and runs the scheduler. The API coroutines may be awaited from any

@@ -123,9 +123,11 @@ class Scheduler:
             self._end(seq, error=EngineError("engine shut down"))
         self.waiting.clear()
         self.running.clear()
-        for task, seq in list(self._refining.items()):
+        refining = list(self._refining.items())
+        for task, seq in refining:
             task.cancel()
             seq.delivery.fail(EngineError("engine shut down"))
+        await asyncio.gather(*(task for task, _ in refining), return_exceptions=True)
 
     # --- one step ---
     def step(self) -> None:

@@ -1,1 +1,1 @@
-"""Skills: prompt building and per-request decode state machines (query, caption, point, detect)."""
+"""Skills: prompt building and per-request decode state machines (query, caption, point, detect, segment)."""
