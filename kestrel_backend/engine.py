@@ -222,8 +222,8 @@ class InferenceEngine:
         if settings is not None and not isinstance(settings, dict):
             raise InvalidRequest("SETTINGS must be a JSON object")
         defaults = {"temperature": 0.0, "top_p": 1.0} if greedy else {}
-        return Settings.from_dict(settings, max_tokens_limit=self.max_context, max_objects_limit=self.config.max_objects,
-                                  **defaults)
+        return Settings.from_dict(settings, max_tokens_limit=self.max_context,
+                                  max_objects_limit=self.config.max_objects, **defaults)
 
     @staticmethod
     def _need_image(image) -> bytes:
@@ -308,7 +308,7 @@ class InferenceEngine:
             prefix = self.model.config.text.prefix_attn if key is not None else 0
             prompt_len = prefix + len(ids)
             if prompt_len >= self.max_context:
-                field = "QUESTION" if skill == "query" else "OBJECT" if skill in ("point", "detect", "segment") else "prompt"
+                field = {"query": "QUESTION", "caption": "prompt"}.get(skill, "OBJECT")
                 raise InvalidRequest(f"{field} is too long: {prompt_len} tokens with the image, context is {self.max_context}")
             capacity = min(self.max_context, prompt_len + _new_positions(skill, settings, reasoning))
             if self.kv.pages_for(capacity) > self.kv.num_pages:

@@ -5,8 +5,9 @@
 One line per case (PASS/FAIL, max abs diff), then "N passed, M failed"; exit 0 only if all pass.
 Tolerances (float32): logits and embeddings within 1e-4 relative to the largest reference value,
 identical crop tiling and pixels, identical greedy tokens, coordinates within 1e-4. Segment (Moondream 3):
-identical coarse paths, boxes and coarse masks; refined masks differing in at most 0.001% of the pixels (the head's own sigmoid
-mask within 1e-5), the refined box equal, and our outline of the refined mask drawn back covering it (IoU at least 0.99).
+identical coarse paths, boxes and coarse masks; refined masks differing in at most 0.001% of the pixels (the
+head's own sigmoid mask within 1e-5), the refined box equal, and our outline of the refined mask drawn back covering
+it (IoU at least 0.99).
 """
 
 from __future__ import annotations
