@@ -34,7 +34,7 @@ from kestrel_backend.model import vision  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
-from kestrel_backend.parity import result_matches, submit_case  # noqa: E402
+from kestrel_backend.parity import result_matches, split_stream, submit_case, unpack_mask  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention  # noqa: E402
 from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
@@ -334,14 +334,11 @@ def segment_refiner_check(engine, fixture: Path, cases: list[dict]) -> dict:
         return {"skipped": f"segment's CPU libraries are not installed: {e}"}
     golden, out = np.load(fixture / "golden.npz"), {}
     for case in (c for c in cases if c.get("refiner_soft")):
-        stream = case["stream"]
-        seg = coarse_segment("", engine.model.tokenizer, [v for v in stream if isinstance(v, int)],
-                             [v[1] for v in stream if isinstance(v, list) and v[0] == "c"],
-                             [tuple(v[1:]) for v in stream if isinstance(v, list) and v[0] == "s"])
+        seg = coarse_segment("", engine.model.tokenizer, *split_stream(case["stream"]))
         image = decode_image((fixture / case["image"]).read_bytes())
         soft, mask = engine.scheduler.segment_refiner.refined_mask(image, seg["svg_path"], seg["bbox"])
         h, w = mask.shape
-        expected = np.unpackbits(golden[case["mask_refined"]])[:h * w].reshape(h, w)
+        expected = unpack_mask(golden[case["mask_refined"]], h, w)
         out[case["name"]] = {"soft_max_abs_diff": float(np.abs(soft - golden[case["refiner_soft"]]).max()),
                              "mask_pixels_differ": int((mask != expected).sum()), "mask_pixels": int(expected.sum())}
     return out

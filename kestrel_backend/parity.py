@@ -153,8 +153,7 @@ class Checker:
         gen = SegmentGeneration(tok, Settings(temperature=0.0, max_tokens=case["max_tokens"]), self.model)
         logits = run_single(self.model, self._prompt(case, region_prompt(tok, "segment", case["object_ids"])), gen)
         ok, msg = self._compare_text(case, gen, logits, gen.tokens)
-        coords = [v[1] for v in case["stream"] if isinstance(v, list) and v[0] == "c"]
-        sizes = [v[1:] for v in case["stream"] if isinstance(v, list) and v[0] == "s"]
+        _, coords, sizes = split_stream(case["stream"])
         cdiff = max([abs(a - b) for a, b in zip(gen.coords, coords)] +
                     [abs(a - b) for s, r in zip(gen.sizes, sizes) for a, b in zip(s, r)], default=0.0)
         same = len(gen.coords) == len(coords) and len(gen.sizes) == len(sizes) and cdiff <= COORD_TOL
@@ -163,10 +162,7 @@ class Checker:
 
     def check_segment_finalize(self, case):
         """A decoded stream (text ids, ["c", coordinate], ["s", width, height]) -> the skill's result."""
-        stream = case["stream"]
-        return self._check_segment_output(case, [v for v in stream if isinstance(v, int)],
-                                          [v[1] for v in stream if isinstance(v, list) and v[0] == "c"],
-                                          [tuple(v[1:]) for v in stream if isinstance(v, list) and v[0] == "s"])
+        return self._check_segment_output(case, *split_stream(case["stream"]))
 
     def _check_segment_output(self, case, text_ids, coords, sizes):
         from .skills import segment_masks
@@ -182,7 +178,7 @@ class Checker:
         notes = []
         if "mask_coarse" in case:
             coarse = segment_masks.path_mask(ours["coarse_path"], ours["coarse_bbox"], w, h)
-            same = np.array_equal(coarse, _unpack(self.arrays[case["mask_coarse"]], h, w))
+            same = np.array_equal(coarse, unpack_mask(self.arrays[case["mask_coarse"]], h, w))
             bad += [] if same else ["coarse mask"]
             notes.append(f"coarse mask {'equal' if same else 'DIFFERS'} ({int(coarse.sum())} px)")
         masks = self.refiner().refined_mask(image, ours["svg_path"], ours["bbox"]) if ours["svg_path"] and \
@@ -193,7 +189,7 @@ class Checker:
             bad += [] if diff <= SOFT_MASK_TOL else ["refiner's mask"]
             notes.append(f"refiner's 378 px mask max abs diff {diff:.3g}")
         if "mask_refined" in case:
-            expected = _unpack(self.arrays[case["mask_refined"]], h, w)
+            expected = unpack_mask(self.arrays[case["mask_refined"]], h, w)
             if refined is None:
                 return False, "no refined mask, the reference refined it"
             differ = int(np.count_nonzero(refined != expected))
@@ -229,8 +225,16 @@ def _close(a, b) -> bool:
     return a == b
 
 
-def _unpack(bits: np.ndarray, h: int, w: int) -> np.ndarray:
+def unpack_mask(bits: np.ndarray, h: int, w: int) -> np.ndarray:
+    """A golden mask (bit-packed, row-major) as an h x w {0, 1} array."""
     return np.unpackbits(bits)[:h * w].reshape(h, w)
+
+
+def split_stream(stream: list) -> tuple[list[int], list[float], list[tuple[float, float]]]:
+    """A segment case's decoded stream -> (text ids, coordinates, sizes): ints, ["c", v] and ["s", w, h] items."""
+    marked = [v for v in stream if isinstance(v, list)]
+    return ([v for v in stream if isinstance(v, int)], [v[1] for v in marked if v[0] == "c"],
+            [tuple(v[1:]) for v in marked if v[0] == "s"])
 
 
 def submit_case(engine, folder: Path, case: dict):

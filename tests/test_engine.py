@@ -569,17 +569,15 @@ def test_moondream3_segment_decodes_refines_and_equals_kestrels_pipeline(tiny_di
             assert "parse_error" in got and got["svg_path"] == "" and not got["refined"]
 
         case = cases["segment_finalize_polygon_curve_wide"]
-        stream, want = case["stream"], case["output"]["segments"][0]
-        coarse = coarse_segment("obj", eng.model.tokenizer, [v for v in stream if isinstance(v, int)],
-                                [v[1] for v in stream if isinstance(v, list) and v[0] == "c"],
-                                [tuple(v[1:]) for v in stream if isinstance(v, list) and v[0] == "s"])
+        want = case["output"]["segments"][0]
+        coarse = coarse_segment("obj", eng.model.tokenizer, *parity.split_stream(case["stream"]))
         assert coarse["coarse_path"] == want["coarse_path"] and coarse["coarse_bbox"] == want["coarse_bbox"]
         pixels = eng._pixels_and_crop((folder / case["image"]).read_bytes(), crop=False)[0]
         refiner: SegmentRefiner = eng.scheduler.segment_refiner
         refined = asyncio.run_coroutine_threadsafe(refiner.refine(coarse, pixels), eng.loop).result(60)
         assert refined["refined"] and refined["bbox"] == want["bbox"] and refined["svg_path"] != coarse["svg_path"]
         h, w = pixels.shape[:2]
-        expected = np.unpackbits(np.load(folder / "golden.npz")[case["mask_refined"]])[:h * w].reshape(h, w)
+        expected = parity.unpack_mask(np.load(folder / "golden.npz")[case["mask_refined"]], h, w)
         drawn = segment_masks.path_mask(refined["svg_path"], refined["bbox"], w, h)
         assert np.logical_and(drawn, expected).sum() / np.logical_or(drawn, expected).sum() >= parity.OUTLINE_IOU
 

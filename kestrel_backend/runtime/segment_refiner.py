@@ -34,7 +34,6 @@ class _Crop:
 class SegmentRefiner:
     def __init__(self, model, head: RefinerHead, executor):
         self.model, self.head, self.executor = model, head, executor
-        self.refined = self.kept_coarse = 0
 
     async def refine(self, segment: dict, image: np.ndarray) -> dict:
         """The segment with svg_path, bbox and refined updated where refinement succeeds."""
@@ -43,14 +42,11 @@ class SegmentRefiner:
         loop = asyncio.get_running_loop()
         crop = await loop.run_in_executor(self.executor, _crop, image, segment["svg_path"], segment["bbox"])
         if crop is None:
-            self.kept_coarse += 1
             return segment
         soft = self._run_head(crop)
         refined = await loop.run_in_executor(self.executor, _outline, soft, crop)
         if refined is None:
-            self.kept_coarse += 1
             return segment
-        self.refined += 1
         path, box = refined
         return {**segment, "svg_path": path, "bbox": box, "refined": True}
 
@@ -99,8 +95,9 @@ def _refined(soft: np.ndarray, crop: _Crop) -> np.ndarray:
 
 
 def _outline(soft: np.ndarray, crop: _Crop) -> tuple[str, dict] | None:
+    masks = _masks()
     mask = _refined(soft, crop)
-    box = _masks().mask_box(mask)
+    box = masks.mask_box(mask)
     if box is None:
         return None
-    return _masks().outline(mask, box), box
+    return masks.outline(mask, box), box
