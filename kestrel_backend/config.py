@@ -41,6 +41,8 @@ class RuntimeConfig:
     max_adapter_rank: int = 32  # the device pool holds KESTREL_MAX_ADAPTERS slots of this rank
     image_workers: int = 0  # threads decoding and cropping images (0: from the machine's CPU count)
     seg_refiner_path: str = ""  # Moondream 3's segment refiner: model.pt (or a folder holding it)
+    drain_timeout_s: int = 25  # a stopping server lets admitted requests run this long (below tritonserver's
+    # --exit-timeout-secs, 30 by default), then ends the rest with an error
 
     ENV = {
         "model_path": "KESTREL_MODEL_PATH", "model": "KESTREL_MODEL", "revision": "KESTREL_REVISION",
@@ -52,7 +54,7 @@ class RuntimeConfig:
         "max_objects": "KESTREL_MAX_OBJECTS", "chaos_fail_after_steps": "KESTREL_CHAOS_FAIL_AFTER_STEPS",
         "adapter_dir": "KESTREL_ADAPTER_DIR", "max_adapters": "KESTREL_MAX_ADAPTERS",
         "max_adapter_rank": "KESTREL_MAX_ADAPTER_RANK", "image_workers": "KESTREL_IMAGE_WORKERS",
-        "seg_refiner_path": "KESTREL_SEG_REFINER_PATH",
+        "seg_refiner_path": "KESTREL_SEG_REFINER_PATH", "drain_timeout_s": "KESTREL_DRAIN_TIMEOUT_S",
     }
 
     @classmethod
@@ -90,7 +92,8 @@ class RuntimeConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.ENV[name]} must be at least 1, got {getattr(self, name)}")
-        for name in ("kv_pages", "max_context", "prefix_cache_size", "chaos_fail_after_steps", "image_workers"):
+        for name in ("kv_pages", "max_context", "prefix_cache_size", "chaos_fail_after_steps", "image_workers",
+                     "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.ENV[name]} must be 0 or positive, got {getattr(self, name)}")
         if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .config import RuntimeConfig
-from .errors import EngineError, EngineOverloaded, InvalidRequest, RequestCancelled
+from .errors import EngineDraining, EngineError, EngineOverloaded, InvalidRequest, RequestCancelled
 from .images import ImageLimits, decode_image
 from .model.moondream import Moondream
 from .model.seg_refiner import RefinerHead
@@ -33,7 +33,7 @@ from .skills.settings import Settings
 log = logging.getLogger("kestrel.engine")
 UNHEALTHY_AFTER_FAILED_STEPS = 3
 
-__all__ = ["InferenceEngine", "EngineResult", "EngineStream", "StreamChunk", "EngineOverloaded",
+__all__ = ["InferenceEngine", "EngineResult", "EngineStream", "StreamChunk", "EngineOverloaded", "EngineDraining",
            "EngineError", "RequestCancelled", "InvalidRequest"]
 
 
@@ -82,6 +82,7 @@ class InferenceEngine:
         self.adapters = AdapterRegistry(config.adapter_dir, config.max_adapters, config.max_adapter_rank,
                                         model.config.text, model.device, model.dtype, self._decoders)
         self._admitting = 0
+        self.draining = False  # set by drain(): no new request is admitted
         self.loop = asyncio.new_event_loop()
         if config.adapter_dir:  # adapters expected: their device pool (and its decode graphs) made now
             self.adapters.ensure_pool()
@@ -144,6 +145,22 @@ class InferenceEngine:
         if not self._thread.is_alive():
             self.loop.close()
 
+    def drain(self, timeout_s: float) -> None:
+        """The server is stopping (any thread may call this): new requests are refused with EngineDraining at once,
+        those already admitted run on for up to timeout_s, then whatever still runs ends with a clear EngineError
+        (so that tritonserver, which waits for every request in flight, can exit before its own exit timeout)."""
+        self.loop.call_soon_threadsafe(self._start_drain, timeout_s)
+
+    def _start_drain(self, timeout_s: float) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        log.warning("draining: new requests refused; %d running and %d queued get up to %g s to finish",
+                    len(self.scheduler.running), self._queue_depth, timeout_s)
+        error = EngineError(f"server stopping: the request was still running {timeout_s:g} s after the stop began "
+                            "(KESTREL_DRAIN_TIMEOUT_S)")
+        self.loop.call_later(timeout_s, self.scheduler.abort, error)
+
     @property
     def healthy(self) -> bool:
         """False once the engine thread died or steps keep failing back to back (an unusable device)."""
@@ -167,7 +184,7 @@ class InferenceEngine:
         cached = s.prefixes.idle_pages  # held by the prefix cache alone: taken back when admission needs them
         return {"pages_total": self.kv.num_pages, "pages_used": self.kv.pages_used - cached, "pages_cached": cached,
                 "pages_free": self.kv.pages_free, "prefix_hits": s.prefix_hits,
-                "queue_depth": self._queue_depth, "running": len(s.running),
+                "queue_depth": self._queue_depth, "running": len(s.running), "draining": int(self.draining),
                 "images_encoded": s.images_encoded, "images_cached": len(self.images), "steps": s.steps,
                 "step_phase_seconds": dict(s.phase_s)}
 
@@ -283,6 +300,8 @@ class InferenceEngine:
     async def _admit(self, skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived: float,
                      object_text: str = "") -> None:
         """Runs on the engine loop: bounded queue, image decode (off-thread), adapter, context check."""
+        if self.draining:
+            raise EngineDraining("server draining: it is stopping and takes no new request; retry on another replica")
         if self._queue_depth >= self.config.max_queue:
             raise EngineOverloaded(f"server overloaded: {self.config.max_queue} requests already queued; retry later")
         self._admitting += 1

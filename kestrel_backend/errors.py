@@ -9,6 +9,10 @@ class EngineOverloaded(RuntimeError):
     """The admission queue is full: retry later."""
 
 
+class EngineDraining(RuntimeError):
+    """The server is stopping: it takes no new request. Retry on another replica."""
+
+
 class EngineError(RuntimeError):
     """A request failed inside the engine (not the caller's fault)."""
 

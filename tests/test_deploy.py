@@ -105,12 +105,18 @@ def test_gpus_per_pod_runs_one_engine_per_gpu():
         assert ("--model-config-name=multi_gpu" in container["args"]) == (gpus > 1)
 
 
-def test_the_pod_outlives_tritonservers_exit_timeout():
-    """A stopped pod is killed only after tritonserver's exit timeout (in which requests in flight finish), plus a
-    margin."""
+def test_drain_deadline_exit_timeout_and_grace_period_come_in_order(chart_copy):
+    """A stopped pod: the engine's drain deadline ends what still runs before tritonserver's exit timeout would cut
+    it, and the pod is killed only after that timeout, plus a margin. A drain deadline past the exit timeout does
+    not render."""
     spec = _deployment()["spec"]["template"]["spec"]
-    timeout = next(int(a.split("=")[1]) for a in spec["containers"][0]["args"] if a.startswith("--exit-timeout-secs="))
-    assert timeout >= 60 and spec["terminationGracePeriodSeconds"] > timeout
+    container = spec["containers"][0]
+    timeout = next(int(a.split("=")[1]) for a in container["args"] if a.startswith("--exit-timeout-secs="))
+    drain = next(int(e["value"]) for e in container["env"] if e["name"] == "KESTREL_DRAIN_TIMEOUT_S")
+    assert 60 <= drain < timeout < spec["terminationGracePeriodSeconds"]
+    values = chart_copy / "values.yaml"
+    values.write_text(values.read_text().replace("drainTimeoutSeconds: 105", "drainTimeoutSeconds: 120"))
+    assert any("drainTimeoutSeconds must be below" in p for p in chart_check.check(chart_copy)), "rendered"
 
 
 def test_multi_gpu_config_differs_from_the_default_only_in_its_instance_group():

@@ -8,7 +8,8 @@ import pytest
 
 from kestrel_backend import parity
 from kestrel_backend.config import RuntimeConfig
-from kestrel_backend.engine import EngineError, EngineOverloaded, InferenceEngine, InvalidRequest, RequestCancelled
+from kestrel_backend.engine import (EngineDraining, EngineError, EngineOverloaded, InferenceEngine, InvalidRequest,
+                                    RequestCancelled)
 from kestrel_backend.runtime.image_cache import image_key
 from kestrel_backend.runtime.sequence import Delivery, Sequence
 from kestrel_backend.skills.generation import Generation
@@ -292,6 +293,35 @@ def test_shutdown_ends_in_flight_requests_with_an_error(tiny_dir):
     asyncio.run(run())
     assert not eng._thread.is_alive()
     assert not [t for t in eng._decoders._threads if t.is_alive()]  # no thread left behind
+
+
+def test_drain_refuses_new_requests_finishes_short_ones_and_ends_the_rest_at_the_deadline(tiny_dir):
+    """A stopping server: new requests refused at once, admitted ones that finish within the drain deadline
+    answered whole, longer ones ended with an error that says why, and nothing left holding a page or an adapter."""
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               adapter_dir=str(tiny_dir / "adapters")))
+    adapter = next(p.name for p in (tiny_dir / "adapters").iterdir())
+    image = (tiny_dir / "images" / "small.png").read_bytes()
+
+    async def run():
+        long = await eng.query(None, "long answer", stream=True, settings={"max_tokens": 2000, "adapter": adapter})
+        async for _ in long:
+            break
+        short = asyncio.ensure_future(eng.caption(image, "short", settings={"max_tokens": 6}))
+        await asyncio.sleep(0.2)  # admitted (its image decoded) before the stop
+        eng.drain(1.0)
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineDraining, match="draining"):
+            await eng.query(None, "late", settings={"max_tokens": 2})
+        assert (await short).metrics["output_tokens"] == 6
+        with pytest.raises(EngineError, match="still running 1 s after the stop began"):
+            await long.result()
+
+    asyncio.run(run())
+    try:
+        assert eng.stats()["draining"] == 1 and eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
 
 
 def test_prefix_cache_pages_are_shared_and_given_back():

@@ -101,10 +101,24 @@ class Scheduler:
         self.steps_ahead = {"used": 0, "dropped": 0}
         self.segment_refiner = None  # runtime.segment_refiner.SegmentRefiner (Moondream 3), or None: coarse outlines
         self._refining: dict[asyncio.Task, Sequence] = {}  # segments being refined after leaving the batch
+        self._aborted: EngineError | None = None  # set by abort(): every request, even one added later, ends with it
 
     def add(self, seq: Sequence) -> None:
+        if self._aborted is not None:  # admitted (its image decoded) after the drain deadline passed
+            self._end(seq, error=self._aborted)
+            return
         self.waiting.append(seq)
         self._wake.set()
+
+    def abort(self, error: EngineError) -> None:
+        """End every request now with `error`: waiting, running, being refined, and any added later (the drain
+        deadline passed, or the engine shuts down). Their KV pages and adapter pins go back at once."""
+        self._aborted = error
+        for seq in list(self.waiting) + self.running:
+            self._end(seq, error=error)
+        for task, seq in list(self._refining.items()):
+            task.cancel()
+            seq.delivery.fail(error)
 
     def stop(self) -> None:
         self._stopping = True
@@ -119,15 +133,9 @@ class Scheduler:
             self.step()
             for _ in range(ROUNDS_BETWEEN_STEPS):
                 await asyncio.sleep(0)
-        for seq in list(self.waiting) + self.running:
-            self._end(seq, error=EngineError("engine shut down"))
-        self.waiting.clear()
-        self.running.clear()
-        refining = list(self._refining.items())
-        for task, seq in refining:
-            task.cancel()
-            seq.delivery.fail(EngineError("engine shut down"))
-        await asyncio.gather(*(task for task, _ in refining), return_exceptions=True)
+        refining = list(self._refining)
+        self.abort(EngineError("engine shut down"))
+        await asyncio.gather(*refining, return_exceptions=True)
 
     # --- one step ---
     def step(self) -> None:

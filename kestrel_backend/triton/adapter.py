@@ -6,6 +6,11 @@ cancellation checks) is a blocking round trip, so none is made on the engine loo
 metrics go out through the Outbox's thread, a watcher thread checks for cancelled requests. Both
 are daemon threads: a round trip that never returns (tritonserver stopping) cannot keep the model's
 process alive. Every request ends with exactly one TRITONSERVER_RESPONSE_COMPLETE_FINAL flag.
+
+Stopping: tritonserver (SIGTERM, or an unload) refuses new requests to a model it is unloading and waits for those
+in flight before it calls finalize(), for up to its exit timeout. The Python backend tells a model nothing before
+finalize(), so the watcher asks tritonserver whether this model is still ready; once it is not, the engine drains
+(KESTREL_DRAIN_TIMEOUT_S) and ends what still runs with a clear error before tritonserver's deadline cuts it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import uuid
 
 from ..config import RuntimeConfig
 from ..engine import InferenceEngine
-from ..errors import EngineOverloaded, InvalidRequest, RequestCancelled
+from ..errors import EngineDraining, EngineOverloaded, InvalidRequest, RequestCancelled
 from .metrics import TritonMetrics
 from .outbox import GuardedSender, Outbox, Outgoing
 from .protocol import WireRequest, chunk_body, final_stream_body, parse_request, result_body
@@ -33,12 +38,14 @@ class TritonAdapter:
     def __init__(self, model_config: dict, pb, instance: tuple[str, int] | None = None):
         """instance: (kind, device id) of this model instance, as Triton gives them to initialize()."""
         self.pb = pb
+        self.model_name = model_config.get("name", "moondream")
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         self.engine = InferenceEngine.create(RuntimeConfig.from_sources(os.environ, params, instance))
         self.metrics = TritonMetrics(pb)
         self.outbox = Outbox(pb)
         self._inflight: dict[asyncio.Task, object] = {}
         self._stopping = threading.Event()
+        self._seen_ready = False  # (the model is not ready while it loads: only ready then not ready means a stop)
         threading.Thread(target=self._watch, name="kestrel-watch", daemon=True).start()
 
     # --- Triton's thread ---
@@ -84,6 +91,9 @@ class TritonAdapter:
         except EngineOverloaded as e:
             outcome = "overloaded"
             self._send_error(sender, str(e), unavailable=True)
+        except EngineDraining as e:
+            outcome = "draining"
+            self._send_error(sender, str(e), unavailable=True)
         except Exception as e:
             log.exception("request %s failed", request_id)
             self._send_error(sender, f"internal error: {type(e).__name__}: {e}")
@@ -126,15 +136,28 @@ class TritonAdapter:
 
     # --- watcher thread ---
     def _watch(self) -> None:
-        """Cancel requests whose client went away; keep the engine gauges fresh; stop an unhealthy server."""
+        """Cancel requests whose client went away; drain once the server stops; keep the engine gauges fresh; stop
+        an unhealthy server."""
         while not self._stopping.wait(WATCH_INTERVAL_S):
             for task, sender in list(self._inflight.items()):
                 if sender.is_cancelled():
                     self.engine.loop.call_soon_threadsafe(task.cancel)
+            if not self.engine.draining and self._server_stopping():
+                self.engine.drain(self.engine.config.drain_timeout_s)
             self.outbox.call(self.metrics.engine_state, self.engine.stats())
             if not self.engine.healthy:
                 self._stop_server()
                 return
+
+    def _server_stopping(self) -> bool:
+        """True once tritonserver, having served this model, says it is not ready: the model is being unloaded, or
+        the server is exiting (the call then fails with "Server not ready")."""
+        try:
+            ready = bool(self.pb.is_model_ready(self.model_name))
+        except Exception:
+            ready = False
+        self._seen_ready |= ready
+        return self._seen_ready and not ready
 
     def _stop_server(self) -> None:
         """The engine cannot serve (device unusable): ask tritonserver (our parent) to shut down. Readiness

@@ -16,9 +16,10 @@ class TritonMetrics:
                                     "Requests that named a LoRA adapter, by adapter and outcome (invalid ones left out: "
                                     "any text could be an id)", MF.COUNTER)
         gauges = MF("kestrel_engine_state", "Engine state: queue_depth, running, kv_pages_used (by requests), "
-                    "kv_pages_cached (image prefixes kept for later requests), kv_pages_total", MF.GAUGE)
-        self._gauges = {name: gauges.Metric(labels={"state": name})
-                        for name in ("queue_depth", "running", "kv_pages_used", "kv_pages_cached", "kv_pages_total")}
+                    "kv_pages_cached (image prefixes kept for later requests), kv_pages_total, draining (1: stopping)",
+                    MF.GAUGE)
+        self._gauges = {name: gauges.Metric(labels={"state": name}) for name in
+                        ("queue_depth", "running", "kv_pages_used", "kv_pages_cached", "kv_pages_total", "draining")}
         prefix_hits = MF("kestrel_prefix_cache_hits_total",
                          "Requests that started from their image prefix's KV pages in the prefix cache", MF.COUNTER)
         self._prefix_hits, self._prefix_hits_counted = prefix_hits.Metric(labels={}), 0
@@ -49,6 +50,7 @@ class TritonMetrics:
         self._gauges["kv_pages_used"].set(stats["pages_used"])
         self._gauges["kv_pages_cached"].set(stats["pages_cached"])
         self._gauges["kv_pages_total"].set(stats["pages_total"])
+        self._gauges["draining"].set(stats["draining"])
         new_hits = stats["prefix_hits"] - self._prefix_hits_counted  # (the engine's count only grows)
         if new_hits:
             self._prefix_hits.increment(new_hits)
