@@ -144,11 +144,12 @@ def text_weight_bytes(config: MoondreamConfig, rows: int = 1) -> int:
 
 
 def decode_steps(model: Moondream, batches, context: int, bandwidth: float, backend: str,
-                 sharing: int = 1) -> list[dict]:
+                 sharing: int = 1, weight_bytes=text_weight_bytes) -> list[dict]:
     """One decode step (forward + LM head + greedy choice) for `batch` sequences holding about `context` tokens
     each (context to context + 7: positions move on between steps, as in the engine). sharing > 1: groups of
     that many sequences share the pages of a 730-token image prefix, as requests on one image do with the
-    prefix cache (the floor still counts every sequence's KV bytes)."""
+    prefix cache (the floor still counts every sequence's KV bytes). weight_bytes(config, rows): the weight bytes
+    of the floor."""
     cfg = model.config.text
     rows = []
     shared_pages = cfg.prefix_attn // 16
@@ -180,7 +181,7 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
         finally:
             dk.PDL_ENABLED = True
         kv_bytes = bsz * (context + 4) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
-        floor = (text_weight_bytes(model.config, bsz) + kv_bytes) / bandwidth * 1000
+        floor = (weight_bytes(model.config, bsz) + kv_bytes) / bandwidth * 1000
         rows.append({"backend": backend + (f", prefix shared by {sharing}" if sharing > 1 else ""), "batch": bsz,
                      "context": context, "step_ms": ms, "floor_ms": floor,
                      "ratio": ms / floor, "tokens_per_s": bsz / ms * 1000})

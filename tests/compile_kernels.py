@@ -18,15 +18,17 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from kestrel_backend.model.config import MoeConfig, TextConfig, VisionConfig
+from kestrel_backend.model.packed import PackedWeight
 from kestrel_backend.model.layer_norm_cuda import shifted_layer_norm
 from kestrel_backend.model.rope_cuda import rope_qk_inplace
 from kestrel_backend.model.tau_cuda import tau_inplace
 from kestrel_backend.runtime import decode_kernels as dk
 from kestrel_backend.runtime import lora_kernels as lk
 from kestrel_backend.runtime import moe_kernels as mk
+from kestrel_backend.runtime import w4a16_kernels as w4
 from kestrel_backend.runtime.prefill_attention import prefill_attention
 
-DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
           torch.float64: "fp64"}
 # capability: (shared memory a block, PDL): A100, A10/A40, L4/L40/RTX 4090, H100/H200, B200, RTX 5090/RTX PRO 6000
 ARCHITECTURES = {80: (166912, False), 86: (101376, False), 89: (101376, False), 90: (232448, True),
@@ -76,6 +78,14 @@ def launch_everything() -> None:
             dk.norm_linear(x, ln, ln, wf, bf, out1=torch.zeros(m, cfg.ff_dim),
                            banned=torch.zeros(m, 2, dtype=torch.int32), best=dk.greedy_keys(m, "cpu"))
             dk.linear2_residual(x, wq[:cfg.dim], torch.zeros(m, cfg.ff_dim, **f), wf.T.contiguous(), x, ln)
+            pq, pf, pp, p2 = (PackedWeight(torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n * k // 128, **f),
+                                           torch.zeros(n * k // 128, **f), 128, dtype)
+                              for n, k in ((3 * cfg.dim, cfg.dim), (cfg.ff_dim, cfg.dim), (cfg.dim, cfg.dim),
+                                           (cfg.dim, cfg.ff_dim)))  # (4-bit checkpoints' scales: bf16)
+            w4.w4_norm_linear(x, ln, ln, pq, bq, pf, bf)
+            w4.w4_linear2_residual(x, pp, torch.zeros(m, cfg.ff_dim, **f), p2, x, ln)
+            if m == 1:
+                w4.dequantize_packed(pf)
             cache = torch.zeros(64 * page, h, d, **f)
             tables, lens = torch.zeros(m, 4, dtype=torch.int32), torch.ones(m, dtype=torch.int32)
             cos = torch.zeros(m, cfg.rope_dim // 2)

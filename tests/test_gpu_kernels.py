@@ -68,6 +68,53 @@ def test_linear2_residual_matches_torch(m):
     assert rel_err(got, ref) < 1e-6
 
 
+def _random_packed(n, k, group, g):
+    """A 4-bit weight as a checkpoint stores it, and as PackedWeight keeps it."""
+    from kestrel_backend.model.packed import PackedWeight
+
+    n_groups = n * k // group
+    packed = torch.randint(0, 256, (n_groups // 2, group), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n_groups, 1, generator=g) / 20 + 0.01).to(torch.bfloat16)
+    zero = torch.randint(0, 16, (n_groups, 1), generator=g).to(torch.bfloat16)
+    return (packed, scale, zero), PackedWeight.from_checkpoint(packed, scale, zero, (n, k))
+
+
+@pytest.mark.parametrize("n, k, group", [(64, 256, 128), (96, 64, 128)])  # whole groups a row, or groups across rows
+def test_packed_weights_dequantize_to_the_references_values(n, k, group):
+    """PackedWeight (repacked for streaming) gives exactly the reference's bf16 weight: torch on the CPU, the
+    Triton kernel (here in the interpreter) on the GPU."""
+    from kestrel_backend.model.weights import dequantize
+    from kestrel_backend.runtime.w4a16_kernels import dequantize_packed
+
+    parts, w = _random_packed(n, k, group, torch.Generator().manual_seed(n))
+    ref = dequantize(*parts, (n, k))
+    assert w.shape == (n, k) and w.data.dtype == torch.uint8 and w.data.numel() == n * k // 2
+    assert torch.equal(w.dequantize(), ref) and torch.equal(dequantize_packed(w), ref)
+
+
+@pytest.mark.parametrize("m", [1, 2, 20])  # the GEMV form, and tensor cores
+def test_w4a16_kernels_match_torch_on_the_dequantized_weights(m):
+    from kestrel_backend.runtime.w4a16_kernels import w4_linear2_residual, w4_norm_linear
+
+    g = torch.Generator().manual_seed(m)
+    k, ff, group = 256, 512, 128
+    (_, wq), (_, wf), (_, wp), (_, w2) = (_random_packed(n, kk, group, g) for n, kk in
+                                          ((3 * k, k), (ff, k), (k, k), (k, ff)))
+    for w in (wq, wf, wp, w2):
+        w.dtype = torch.float32
+    x = torch.randn(m, k, generator=g) * 3 + 1
+    ln_w, ln_b, bq, bf, bias = (torch.randn(n, generator=g) for n in (k, k, 3 * k, ff, k))
+    qkv, act = w4_norm_linear(x, ln_w, ln_b, wq, bq, wf, bf)
+    h = F.layer_norm(x.double(), (k,), ln_w.double(), ln_b.double())
+    assert rel_err(qkv, F.linear(h, wq.dequantize().double(), bq.double())) < 1e-6
+    assert rel_err(act, F.gelu(F.linear(h, wf.dequantize().double(), bf.double()), approximate="tanh")) < 1e-6
+    residual = torch.randn(m, k, generator=g)
+    got = w4_linear2_residual(qkv[:, :k], wp, act, w2, residual, bias)
+    ref = residual.double() + qkv[:, :k].double() @ wp.dequantize().double().T + \
+        act.double() @ w2.dequantize().double().T + bias.double()
+    assert rel_err(got, ref) < 1e-6
+
+
 def _paged_context(lens, page, hkv, d, g):
     """Random caches whose pages are scattered, page tables for sequences of these lengths (the new token
     included), and the cache row (slot) of each one's new token."""
@@ -300,13 +347,15 @@ def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc
 # GEMV kernels with the attention a kernel of its own; three: tensor cores for norm + qkv/fc1
 @pytest.mark.parametrize("n_seqs, splits, adapters, fixture", [
     (1, None, False, "md2-tiny"), (1, 1, False, "md2-tiny"), (2, None, False, "md2-tiny"), (3, None, False, "md2-tiny"),
-    (1, None, True, "md2-tiny"), (3, None, True, "md2-tiny"), (1, None, False, "md3-tiny"), (3, None, False, "md3-tiny")])
+    (1, None, True, "md2-tiny"), (3, None, True, "md2-tiny"), (1, None, False, "md3-tiny"), (3, None, False, "md3-tiny"),
+    (1, None, False, "md2-tiny-4bit"), (3, None, False, "md2-tiny-4bit")])
 def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n_seqs, splits, adapters, fixture):
     """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch
     step, after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens:
     the interpreter runs every program in Python. With adapters: rows of adapters r8, none and r4 (from a
     LoraPool of rank 16 slots) against the torch step's per-row deltas. md3-tiny: Moondream 3's layers (tau from
-    each row's position, the expert kernels)."""
+    each row's position, the expert kernels). md2-tiny-4bit: its text weights kept 4-bit, as on a GPU (the W4A16
+    kernels)."""
     import dataclasses
 
     from kestrel_backend.model.moondream import Moondream
@@ -314,7 +363,16 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
     from kestrel_backend.runtime.cuda_decode import StepTensors, fused_decode_step
     from kestrel_backend.runtime.kv_cache import PagedKVCache
 
-    if fixture != "md2-tiny":
+    if fixture == "md2-tiny-4bit":  # (Moondream.from_checkpoint keeps 4-bit weights packed on a GPU only)
+        from kestrel_backend.model.packed import PackedWeight
+        from kestrel_backend.model.weights import build_weights, load_state
+
+        config = Moondream.from_checkpoint(tiny_dir.parent / fixture).config
+        packed = build_weights(load_state(tiny_dir.parent / fixture, config, keep_packed=True), config, torch.float32,
+                               "cpu")
+        assert isinstance(packed.text.blocks[0].mlp.fc2.weight, PackedWeight)
+        tiny_model = Moondream(config, packed, tiny_model.tokenizer)
+    elif fixture != "md2-tiny":
         tiny_model = Moondream.from_checkpoint(tiny_dir.parent / fixture, dtype=torch.float32)
     text = tiny_model.weights.text
     head = dataclasses.replace(text.lm_head, weight=text.lm_head.weight[:512], bias=text.lm_head.bias[:512])

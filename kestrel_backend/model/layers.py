@@ -3,11 +3,12 @@
 import torch
 import torch.nn.functional as F
 
+from .packed import dense
 from .weights import LayerNorm, Linear, MLP
 
 
 def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
-    return F.linear(x, w.weight, w.bias)
+    return F.linear(x, dense(w.weight), w.bias)
 
 
 def layer_norm(x: torch.Tensor, w: LayerNorm) -> torch.Tensor:
@@ -17,7 +18,7 @@ def layer_norm(x: torch.Tensor, w: LayerNorm) -> torch.Tensor:
 def mlp_hidden(x: torch.Tensor, w: MLP) -> torch.Tensor:
     """gelu_tanh(fc1(x)): the MLP's inner activations."""
     if x.is_cuda:  # fc1 + bias + tanh-GELU in one cuBLASLt call (GELU epilogue): one kernel less per MLP
-        h = torch._addmm_activation(w.fc1.bias, x.reshape(-1, x.shape[-1]), w.fc1.weight.t(), use_gelu=True)
+        h = torch._addmm_activation(w.fc1.bias, x.reshape(-1, x.shape[-1]), dense(w.fc1.weight).t(), use_gelu=True)
         return h.view(*x.shape[:-1], -1)
     return F.gelu(linear(x, w.fc1), approximate="tanh")
 

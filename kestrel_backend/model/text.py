@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from .config import TextConfig
 from .layers import layer_norm, linear, mlp, mlp_hidden
 from .lora import LoraRows
+from .packed import dense
 from .weights import MoE, Tau, TextBlock, TextWeights
 
 
@@ -138,8 +139,9 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
             x = x + attn_out + mlp_out
         elif x.is_cuda:  # residual adds folded into the two output GEMMs (beta = 1): two kernels less per layer
             g = mlp_hidden(h, block.mlp)
-            x = torch.addmm(x, out, block.proj.weight.t()) if i == 0 else x.addmm_(out, block.proj.weight.t())
-            x.addmm_(g, block.mlp.fc2.weight.t()).add_(block.out_bias)  # in place past layer 0: x is ours then
+            proj = dense(block.proj.weight).t()
+            x = torch.addmm(x, out, proj) if i == 0 else x.addmm_(out, proj)
+            x.addmm_(g, dense(block.mlp.fc2.weight).t()).add_(block.out_bias)  # in place past layer 0: x is ours then
         else:
             x = x + linear(out, block.proj) + mlp(h, block.mlp)
     return x

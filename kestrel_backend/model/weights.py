@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .config import MoondreamConfig
+from .packed import PackedWeight
 
 
 class CheckpointError(ValueError):
@@ -289,8 +290,10 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
     return w.reshape(shape)
 
 
-def _dequantize_state(state: dict[str, torch.Tensor], expected: dict, config: MoondreamConfig, source: str) -> None:
-    """Replace every `<linear>.weight.{packed,scale,zero_point}` triple by its dequantised weight."""
+def _dequantize_state(state: dict[str, torch.Tensor], expected: dict, config: MoondreamConfig, source: str,
+                      keep_packed: bool = False) -> None:
+    """Replace every `<linear>.weight.{packed,scale,zero_point}` triple by its dequantised weight (keep_packed: the
+    text blocks' by a PackedWeight, which the GPU's decode step reads as it is)."""
     for name in sorted(n for n in state if n.endswith(".weight.packed")):
         base = name.removesuffix(".packed")
         group = config.region.group_size if base.startswith("region.") else config.text.group_size
@@ -308,11 +311,15 @@ def _dequantize_state(state: dict[str, torch.Tensor], expected: dict, config: Mo
             if tuple(t.shape) != want[p] or (p == "packed") != (t.dtype == torch.uint8):
                 raise CheckpointError(f"{source}: tensor '{base}.{p}' has shape {tuple(t.shape)} ({t.dtype}), "
                                       f"expected {want[p]}" + (" uint8" if p == "packed" else ""))
-        state[base] = dequantize(parts["packed"], parts["scale"], parts["zero_point"], shape)
+        if keep_packed and base.startswith("text.blocks."):
+            state[base] = PackedWeight.from_checkpoint(parts["packed"], parts["scale"], parts["zero_point"], shape)
+        else:
+            state[base] = dequantize(parts["packed"], parts["scale"], parts["zero_point"], shape)
 
 
-def load_state(path: str | Path, config: MoondreamConfig) -> dict[str, torch.Tensor]:
-    """Read, normalise and validate every tensor (4-bit ones dequantised); errors name the tensor and the file."""
+def load_state(path: str | Path, config: MoondreamConfig, keep_packed: bool = False) -> dict[str, torch.Tensor]:
+    """Read, normalise and validate every tensor (4-bit ones dequantised, or with keep_packed the text blocks' kept
+    4-bit: PackedWeight); errors name the tensor and the file."""
     state: dict[str, torch.Tensor] = {}
     files = checkpoint_files(path)
     for file in files:
@@ -320,7 +327,7 @@ def load_state(path: str | Path, config: MoondreamConfig) -> dict[str, torch.Ten
             state[name] = tensor
     source = ", ".join(str(f) for f in files)
     expected = expected_shapes(config)
-    _dequantize_state(state, expected, config, source)
+    _dequantize_state(state, expected, config, source, keep_packed)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"{source}: missing tensor '{missing[0]}'" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -407,7 +414,10 @@ def _text_block(ln: LayerNorm, qkv: Linear, proj: Linear, mlp: MLP) -> TextBlock
 
 def load_weights(path: str | Path, config: MoondreamConfig, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> MoondreamWeights:
-    return build_weights(load_state(path, config), config, dtype, device)
+    """On a GPU the text blocks' 4-bit weights stay 4-bit (the decode step reads them packed); elsewhere they are
+    dequantised once."""
+    keep_packed = torch.device(device).type == "cuda"
+    return build_weights(load_state(path, config, keep_packed), config, dtype, device)
 
 
 def random_state(config: MoondreamConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..model.moondream import Moondream
+from ..model.packed import PackedWeight
 from ..model.layers import layer_norm, linear, mlp, mlp_hidden
 from ..model.text import apply_tau, moe_mlp
 from .cuda_graphs import CapturedGraphs
@@ -22,6 +23,7 @@ from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, gpu_paths, gre
                              norm_linear, norm_linear_attention, one_kernel_counters, rotary_paged_attention)
 from .kv_cache import PagedKVCache
 from .lora_kernels import lora_expand_in, lora_expand_out, lora_shrink, segments
+from .w4a16_kernels import w4_linear2_residual, w4_norm_linear
 
 
 log = logging.getLogger("kestrel.decode")
@@ -46,11 +48,15 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     (default: decode_kernels.context_splits; ONE_KERNEL_SPLITS for the one-kernel form).
 
     lora: (LoraPool, the step's rows in segments of one adapter: StepInputs.segments): each row adds its
-    adapter's deltas (lora_kernels); qkv and fc1 then come from cuBLAS, whatever the row count."""
+    adapter's deltas (lora_kernels); qkv and fc1 then come from cuBLAS, whatever the row count.
+
+    4-bit weights (PackedWeight) go to the W4A16 twins of norm_linear and linear2_residual at every row count
+    (with lora, qkv and fc1 from transient bf16 weights)."""
     cfg, w, page = model.config.text, model.weights.text, cache.page_size
+    packed = isinstance(w.blocks[0].qkv.weight, PackedWeight)
     gemv = x.shape[0] <= GEMV_MAX_ROWS and lora is None
     one_kernel = gemv and x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR and \
-        not cfg.tau_attn  # (Moondream 3's layers: _moondream3_layer)
+        not cfg.tau_attn and not packed  # (Moondream 3's layers: _moondream3_layer)
     sync, best = _step_counters(len(w.blocks), cfg.n_heads, x.shape[0], one_kernel, gemv and greedy_out is not None,
                                 x.device)
     if lora is not None:  # every layer's shrunk values, summed atomically: zeroed once for the step
@@ -67,7 +73,10 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
                                            cache.k[i], cache.v[i], inputs.block_tables, inputs.seq_lens, inputs.slots,
                                            page, sync[i], context_splits or ONE_KERNEL_SPLITS)
         else:
-            if gemv:
+            if packed and lora is None:
+                qkv, g = w4_norm_linear(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
+                                        block.mlp.fc1.weight, block.mlp.fc1.bias)
+            elif gemv:
                 qkv, g = norm_linear(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
                                      block.mlp.fc1.weight, block.mlp.fc1.bias, gelu2=True)
             elif lora is not None:
@@ -80,8 +89,8 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
                 qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
             out = rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[i], cache.v[i], inputs.block_tables,
                                          inputs.seq_lens, inputs.slots, cfg.n_heads, page, splits=context_splits)
-        x = linear2_residual(out, block.proj.weight, g, block.mlp.fc2.weight, x, block.out_bias,
-                             out=hidden_out if last else None)
+        x = (w4_linear2_residual if packed else linear2_residual)(out, block.proj.weight, g, block.mlp.fc2.weight, x,
+                                                                  block.out_bias, out=hidden_out if last else None)
         if lora is not None:
             lora_expand_out(x, shrunk[i], pool.b["proj"][i], pool.b["fc2"][i], segs, pool.ranks)
     if gemv:
