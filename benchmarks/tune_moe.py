@@ -1,9 +1,11 @@
 """Tile sizes of Moondream 3's expert kernels (runtime/moe_kernels.py), timed on the GPU with full-size expert
 weights (bf16, random) at a decode step's token count and a prefill's, in TFLOP/s and GB/s of expert weights.
 
-    python benchmarks/tune_moe.py
+    python benchmarks/tune_moe.py            # the prefill candidates below
+    python benchmarks/tune_moe.py --decode   # a sweep of the up and the down kernel's tiles at 16 and 64 tokens
 """
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -26,6 +28,34 @@ CANDIDATES = {
 }
 
 
+def decode_sweep(x_for, router_w, router_b, fc1, fc2, m) -> None:
+    """Each kernel's tiles in turn (the other at its current tiles), at a decode step's token counts."""
+    default = mk._tiles
+    grid = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+            for n, k, w, s in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4))]
+    for tokens in (16, 64):
+        x, current = x_for(tokens), default(tokens, torch.bfloat16)
+        experts = m.n_experts * (1 - (1 - m.n_experts_per_tok / m.n_experts) ** tokens)
+        weight_bytes = experts * 3 * x.shape[1] * m.expert_inner_dim * 2
+        for which in (0, 1):
+            best = None
+            for tiles in [current[which]] + grid:
+                pair = (tiles, current[1]) if which == 0 else (current[0], tiles)
+                mk._tiles = lambda t, dtype, pair=pair: pair
+                try:
+                    ms = graph_timed(lambda: mk.moe_mlp_cuda(x, router_w, router_b, fc1, fc2, m.n_experts_per_tok),
+                                     calls=8)
+                except Exception:  # (tiles past the shared memory)
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, tiles)
+                if tiles is current[which]:
+                    print(f"{tokens} tokens, current: {ms:.4f} ms, {weight_bytes / ms / 1e6:.0f} GB/s", flush=True)
+            print(f"{tokens} tokens, best {'up' if which == 0 else 'down'}: {best[1]} {best[0]:.4f} ms, "
+                  f"{weight_bytes / best[0] / 1e6:.0f} GB/s", flush=True)
+    mk._tiles = default
+
+
 def main() -> None:
     m, dim = MoeConfig(), 2048
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -33,6 +63,9 @@ def main() -> None:
     fc2 = torch.randn(m.n_experts, dim, m.expert_inner_dim, device="cuda", generator=gen).mul_(1 / 32).bfloat16()
     router_w = torch.randn(m.n_experts, dim, device="cuda", generator=gen).mul_(dim ** -0.5).bfloat16()
     router_b = torch.zeros(m.n_experts, device="cuda", dtype=torch.bfloat16)
+    if "--decode" in sys.argv:
+        return decode_sweep(lambda t: torch.randn(t, dim, device="cuda", generator=gen).bfloat16(), router_w,
+                            router_b, fc1, fc2, m)
     default = mk._tiles
     for tokens in (1, 64, 742, 8 * 742):
         x = torch.randn(tokens, dim, device="cuda", generator=gen).bfloat16()

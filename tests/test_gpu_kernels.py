@@ -557,19 +557,22 @@ def test_step_inputs_pack_the_rows_in_segments_of_one_adapter(tiny_model):
     assert inputs.segments(4)[1].tolist() == [0] * 5
 
 
-@pytest.mark.parametrize("tokens, top_k", [(1, 3), (5, 3), (40, 2), (300, 3), (1400, 3)])
+@pytest.mark.parametrize("tokens, top_k", [(1, 3), (5, 3), (40, 2), (64, 8), (300, 3), (1400, 3)])
 def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, monkeypatch):
     """Moondream 3's grouped expert kernels (pairs grouped by expert, each expert's weights read once a tile of its
-    rows; at 40 tokens more than one 16-row tile an expert; at 300 the prefill tiles of 128 rows; at 1400 more than
-    4,096 pairs, grouped by torch's sort, and more than one such tile an expert) against text.moe_mlp's loop."""
+    rows; at 40 tokens more than one 16-row tile an expert; at 64 the bf16 decode tiles of 128-deep chunks; at 300 the
+    prefill tiles of 128 rows; at 1400 more than 4,096 pairs, grouped by torch's sort, and more than one such tile an
+    expert) against text.moe_mlp's loop."""
     from kestrel_backend.model.text import moe_mlp
     from kestrel_backend.model.weights import Linear, MoE
     from kestrel_backend.runtime import moe_kernels as mk
 
     if tokens >= 300:  # the bf16 prefill tiles (the interpreter's float32 is exact, and has room for them)
         monkeypatch.setattr(mk, "_tiles", lambda t, dtype: mk.PREFILL_TILES)
+    if tokens == 64:
+        monkeypatch.setattr(mk, "_tiles", lambda t, dtype: mk.DECODE_TILES)
     gen = torch.Generator().manual_seed(3)
-    dim, inner, experts = 128, 64, 8
+    dim, inner, experts = 128, 128, 8
     moe = MoE(Linear(torch.randn(experts, dim, generator=gen), torch.randn(experts, generator=gen)),
               torch.randn(experts, 2 * inner, dim, generator=gen) / dim ** 0.5,
               torch.randn(experts, dim, inner, generator=gen) / inner ** 0.5, top_k)

@@ -119,10 +119,18 @@ def _tiles(tokens: int, dtype: torch.dtype) -> tuple[dict, dict]:
     if tokens <= 16:
         small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4)
         return small, small
-    if tokens <= 128 or dtype == torch.float32:
+    if dtype == torch.float32:
         medium = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4)
         return medium, medium
+    if tokens <= 128:
+        return DECODE_TILES
     return PREFILL_TILES
+
+
+# Deeper K tiles for a decode step of many rows (H100, tune_moe.py --decode, 64 tokens: the expert MLP 0.325 against
+# 0.346 ms with the up kernel's, 0.343 with the down kernel's; at 16 tokens within 2%)
+DECODE_TILES = (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
+                dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4))
 
 
 PREFILL_TILES = (dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8),
