@@ -6,7 +6,8 @@
 - the time to load an adapter (its final.pt read, checked and copied into a pool slot) and the device memory
   a slot takes.
 
-    python benchmarks/lora_bench.py [--out lora.json]
+    python benchmarks/lora_bench.py [--out lora.json] [--four-bit]   # (--four-bit: the text blocks 4-bit, as a
+                                                                     # 4-bit checkpoint loads on a GPU; rank 8 only)
 """
 
 import argparse
@@ -112,12 +113,18 @@ def decode_rows(model: Moondream, registry: AdapterRegistry, names: list[str], c
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path)
+    p.add_argument("--four-bit", action="store_true")
     args = p.parse_args()
     torch.manual_seed(0)
     config = MoondreamConfig()
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
-    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "ranks": []}
-    for rank in (8, 32):
+    if args.four_bit:
+        from benchmarks.w4a16_bench import four_bit
+
+        model = four_bit(model)
+    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "four_bit": args.four_bit,
+           "ranks": []}
+    for rank in (8,) if args.four_bit else (8, 32):
         with tempfile.TemporaryDirectory() as tmp:
             names = write_adapters(Path(tmp), config, rank)
             defaults = RuntimeConfig()  # the pool of a default server: 32 slots of rank 32
