@@ -8,6 +8,7 @@ ships with PyTorch there. The torch path (text.py, attention.py) stays for the C
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -48,7 +49,9 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     (default: decode_kernels.context_splits; ONE_KERNEL_SPLITS for the one-kernel form).
 
     lora: (LoraPool, the step's rows in segments of one adapter: StepInputs.segments): each row adds its
-    adapter's deltas (lora_kernels); qkv and fc1 then come from cuBLAS, whatever the row count.
+    adapter's deltas (lora_kernels); qkv and fc1 then come from cuBLAS, whatever the row count. On a GPU two of the
+    three adapter kernels run on a side stream beside the base work: the shrink beside qkv and fc1's matmuls, proj's
+    and fc2's deltas onto the residual beside the attention.
 
     4-bit weights (PackedWeight) go to the W4A16 twins of norm_linear and linear2_residual at every row count
     (with lora, qkv and fc1 from transient bf16 weights)."""
@@ -62,6 +65,7 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     if lora is not None:  # every layer's shrunk values, summed atomically: zeroed once for the step
         pool, segs = lora
         shrunk = torch.zeros(len(w.blocks), x.shape[0], 4 * pool.rank_cap, device=x.device, dtype=torch.float32)
+        side = _side_stream(x.device) if x.is_cuda else None
     for i, block in enumerate(w.blocks):
         last = i == len(w.blocks) - 1  # (straight into hidden_out: no copy node between it and the LM head)
         if block.tau is not None:  # Moondream 3's layers
@@ -81,18 +85,21 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
                                      block.mlp.fc1.weight, block.mlp.fc1.bias, gelu2=True)
             elif lora is not None:
                 h = layer_norm(x, block.ln)
+                _fork(side, lora_shrink, h, pool.a_h[i], segs, pool.ranks, shrunk[i])
                 qkv, g = linear(h, block.qkv), linear(h, block.mlp.fc1)  # (fc1's GELU after its delta)
-                lora_shrink(h, pool.a_h[i], segs, pool.ranks, shrunk[i])
+                _join(side)
                 lora_expand_in(qkv, g, shrunk[i], pool.b["qkv"][i], pool.b["fc1"][i], pool.a_g[i], segs, pool.ranks)
+                # proj's and fc2's deltas onto the residual (linear2_residual adds the rest to it)
+                _fork(side, lora_expand_out, x, shrunk[i], pool.b["proj"][i], pool.b["fc2"][i], segs, pool.ranks)
             else:
                 h = layer_norm(x, block.ln)
                 qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
             out = rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[i], cache.v[i], inputs.block_tables,
                                          inputs.seq_lens, inputs.slots, cfg.n_heads, page, splits=context_splits)
+            if lora is not None:
+                _join(side)
         x = (w4_linear2_residual if packed else linear2_residual)(out, block.proj.weight, g, block.mlp.fc2.weight, x,
                                                                   block.out_bias, out=hidden_out if last else None)
-        if lora is not None:
-            lora_expand_out(x, shrunk[i], pool.b["proj"][i], pool.b["fc2"][i], segs, pool.ranks)
     if gemv:
         norm_linear(x, w.post_ln.weight, w.post_ln.bias, w.lm_head.weight, w.lm_head.bias, out1=logits_out,
                     banned=inputs.banned, best=best)
@@ -101,6 +108,26 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     else:
         logits_out.copy_(model.logits(x))
     return x
+
+
+@functools.lru_cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _fork(side: torch.cuda.Stream | None, work, *args) -> None:
+    """work(*args) on the side stream, after what the current stream has queued so far (at once without one)."""
+    if side is None:
+        return work(*args)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        work(*args)
+
+
+def _join(side: torch.cuda.Stream | None) -> None:
+    """The current stream waits for the side stream's work."""
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
 
 
 def _moondream3_layer(x: torch.Tensor, block, cfg, cache: PagedKVCache, i: int, inputs: "StepTensors",
