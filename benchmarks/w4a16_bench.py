@@ -26,7 +26,7 @@ from benchmarks.gpu_bench import ceilings, decode_steps, engine_golden_check, te
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.packed import PackedWeight  # noqa: E402
-from kestrel_backend.model.weights import MLP, Linear, random_weights  # noqa: E402
+from kestrel_backend.model.weights import MLP, LayerNorm, Linear, random_weights  # noqa: E402
 from kestrel_backend.runtime.w4a16_kernels import w4_linear2_residual, w4_norm_linear  # noqa: E402
 
 GROUP = 128
@@ -63,20 +63,22 @@ def packed_weight_bytes(model: Moondream):
     return lambda config, rows: total
 
 
+def in_dtype(block, dtype: torch.dtype):
+    """A text block whose tensors are in dtype and whose packed weights dequantize to it."""
+    def lin(w: Linear) -> Linear:
+        return Linear(dataclasses.replace(w.weight, dtype=dtype), w.bias.to(dtype))
+
+    return dataclasses.replace(block, ln=LayerNorm(block.ln.weight.to(dtype), block.ln.bias.to(dtype)),
+                               qkv=lin(block.qkv), proj=lin(block.proj),
+                               mlp=MLP(lin(block.mlp.fc1), lin(block.mlp.fc2)), out_bias=block.out_bias.to(dtype))
+
+
 def kernel_check(model: Moondream, dtype: torch.dtype) -> list[dict]:
     """Each W4A16 kernel at full size against torch with the dequantized weights (float32 accumulation). In float32
     the weights must be the reference's values exactly: a relative error of about 1e-7 (one rounding off would
     show as about 1e-3)."""
-    b, rows = model.weights.text.blocks[0], []
+    b, rows = in_dtype(model.weights.text.blocks[0], dtype), []
     dim = model.config.text.dim
-    if dtype == torch.float32:
-        cast = lambda t: t.float()  # noqa: E731
-        b = dataclasses.replace(b, ln=dataclasses.replace(b.ln, weight=cast(b.ln.weight), bias=cast(b.ln.bias)),
-                                qkv=Linear(dataclasses.replace(b.qkv.weight, dtype=dtype), cast(b.qkv.bias)),
-                                proj=Linear(dataclasses.replace(b.proj.weight, dtype=dtype), cast(b.proj.bias)),
-                                mlp=MLP(Linear(dataclasses.replace(b.mlp.fc1.weight, dtype=dtype), cast(b.mlp.fc1.bias)),
-                                        Linear(dataclasses.replace(b.mlp.fc2.weight, dtype=dtype), cast(b.mlp.fc2.bias))),
-                                out_bias=cast(b.out_bias))
     for m in (1, 2, 16, 64):
         x = torch.randn(m, dim, device="cuda", dtype=dtype)
         qkv, act = w4_norm_linear(x, b.ln.weight, b.ln.bias, b.qkv.weight, b.qkv.bias, b.mlp.fc1.weight, b.mlp.fc1.bias)

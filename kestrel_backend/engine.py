@@ -145,10 +145,12 @@ class InferenceEngine:
         if not self._thread.is_alive():
             self.loop.close()
 
-    def drain(self, timeout_s: float) -> None:
+    def drain(self, timeout_s: float | None = None) -> None:
         """The server is stopping (any thread may call this): new requests are refused with EngineDraining at once,
-        those already admitted run on for up to timeout_s, then whatever still runs ends with a clear EngineError
-        (so that tritonserver, which waits for every request in flight, can exit before its own exit timeout)."""
+        those already admitted run on for up to timeout_s (KESTREL_DRAIN_TIMEOUT_S by default), then whatever still
+        runs ends with a clear EngineError (so that tritonserver, which waits for every request in flight, can exit
+        before its own exit timeout)."""
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         self.loop.call_soon_threadsafe(self._start_drain, timeout_s)
 
     def _start_drain(self, timeout_s: float) -> None:

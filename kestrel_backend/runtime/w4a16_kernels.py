@@ -81,8 +81,8 @@ def _w4_matmul(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p_ptr, s_ptr, z_p
 @triton.jit
 def _w4_norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, p1_ptr, s1_ptr, z1_ptr, bias1_ptr, out1_ptr,
                            p2_ptr, s2_ptr, z2_ptr, bias2_ptr, out2_ptr, M, eps, K: tl.constexpr, N1: tl.constexpr,
-                           N2: tl.constexpr, GROUP: tl.constexpr, WHOLE: tl.constexpr, GELU2: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_K: tl.constexpr,
+                           N2: tl.constexpr, GROUP: tl.constexpr, WHOLE: tl.constexpr, GELU2: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_K: tl.constexpr,
                            USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, N1 / BLOCK_N) fill out1 from W1, the rest out2 from W2 (GELU if GELU2); one normed x."""
     pid = tl.program_id(0)
@@ -111,8 +111,8 @@ def _w4_norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, p1_ptr, s1_ptr, z1_ptr
 def _w4_linear2_residual_kernel(a_ptr, a_stride, p1_ptr, s1_ptr, z1_ptr, c_ptr, c_stride, p2_ptr, s2_ptr, z2_ptr,
                                 res_ptr, res_stride, bias_ptr, out_ptr, M, K1: tl.constexpr, K2: tl.constexpr,
                                 N: tl.constexpr, GROUP: tl.constexpr, WHOLE: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-                                PDL: tl.constexpr):
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                                PRECISION: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     _after_previous_kernel(PDL)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -164,8 +164,9 @@ def w4_norm_linear(x: torch.Tensor, ln_weight, ln_bias, w1: PackedWeight, bias1,
     grid = ((n1 + n2) // block_n, triton.cdiv(m, block_m))
     _w4_norm_linear_kernel[grid](x, x.stride(0), ln_weight, ln_bias, w1.data, w1.scale, w1.zero, bias1, out1,
                                  w2.data, w2.scale, w2.zero, bias2, out2, m, LN_EPS, K=k, N1=n1, N2=n2,
-                                 GROUP=w1.group, WHOLE=_whole_groups(block_k, w1.group, k), GELU2=gelu2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                 STATS_K=_stats_chunk(k, block_m), USE_DOT=use_dot, PRECISION=_precision(x),
+                                 GROUP=w1.group, WHOLE=_whole_groups(block_k, w1.group, k), GELU2=gelu2,
+                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=_stats_chunk(k, block_m),
+                                 USE_DOT=use_dot, PRECISION=_precision(x),
                                  num_warps=warps, num_stages=stages, **_pdl(x.device, m))
     return out1, out2
 
@@ -184,8 +185,9 @@ def w4_linear2_residual(a: torch.Tensor, w1: PackedWeight, c: torch.Tensor, w2: 
     _w4_linear2_residual_kernel[grid](a, a.stride(0), w1.data, w1.scale, w1.zero, c, c.stride(0), w2.data, w2.scale,
                                       w2.zero, residual, residual.stride(0), bias, out, m, K1=w1.shape[1],
                                       K2=w2.shape[1], N=n, GROUP=w1.group,
-                                      WHOLE=_whole_groups(block_k, w1.group, w1.shape[1], w2.shape[1]), BLOCK_M=block_m, BLOCK_N=block_n,
-                                      BLOCK_K=block_k, USE_DOT=use_dot, PRECISION=_precision(a), num_warps=warps,
+                                      WHOLE=_whole_groups(block_k, w1.group, w1.shape[1], w2.shape[1]),
+                                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
+                                      PRECISION=_precision(a), num_warps=warps,
                                       num_stages=stages, **_pdl(a.device, m))
     return out
 

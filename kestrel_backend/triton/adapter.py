@@ -143,7 +143,7 @@ class TritonAdapter:
                 if sender.is_cancelled():
                     self.engine.loop.call_soon_threadsafe(task.cancel)
             if not self.engine.draining and self._server_stopping():
-                self.engine.drain(self.engine.config.drain_timeout_s)
+                self.engine.drain()
             self.outbox.call(self.metrics.engine_state, self.engine.stats())
             if not self.engine.healthy:
                 self._stop_server()
