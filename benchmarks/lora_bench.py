@@ -92,8 +92,11 @@ def decode_rows(model: Moondream, registry: AdapterRegistry, names: list[str], c
         return run
 
     with torch.inference_mode():
-        base = statistics.median(timed(step(None), iters=50) for _ in range(3))
-        lora = statistics.median(timed(step([a.slot for a in per_row]), iters=50) for _ in range(3))
+        rounds = {"base": [], "lora": []}
+        for _ in range(5):  # interleaved, so that the GPU's clock drift hits both alike
+            rounds["base"].append(timed(step(None), iters=30))
+            rounds["lora"].append(timed(step([a.slot for a in per_row]), iters=30))
+        base, lora = statistics.median(rounds["base"]), statistics.median(rounds["lora"])
         # the adapter step against the eager torch step with the same adapters, one position
         logits = decoder.run(tokens, ids, [context] * BATCH, [()] * BATCH, [a.slot for a in per_row])[0].clone()
         attention = make_attention(cache)

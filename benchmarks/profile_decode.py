@@ -53,7 +53,9 @@ def main() -> None:
     for i in range(args.batch):
         cache.allocate(i, args.context + 9)
     decoder = CudaGraphDecoder(model, cache, args.batch, args.context + 9)
-    ids, tokens, positions = list(range(args.batch)), [11] * args.batch, [args.context] * args.batch
+    # distinct tokens, as engine_step's: with Moondream 3's experts, rows alike would all route to the same experts
+    ids, positions = list(range(args.batch)), [args.context] * args.batch
+    tokens = [11 + 97 * i for i in range(args.batch)]
     decoder.run(tokens, ids, positions)
     graph = next(iter(decoder.graphs.values()))  # the one graph that step captured
 

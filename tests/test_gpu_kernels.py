@@ -538,6 +538,44 @@ def test_every_kernel_compiles_for_every_supported_gpu():
 
 
 
+def test_lora_kernels_give_each_row_its_own_adapters_deltas():
+    """The three adapter kernels against torch, row by row: ranks below the pool's (3, 13) and at it (16), rows
+    without an adapter (slot 0), segments of more than one 16-row tile, output columns not a multiple of the
+    blocks."""
+    from kestrel_backend.runtime import lora_kernels as lk
+
+    torch.manual_seed(3)
+    dim, nq, ff, cap, n = 128, 200, 300, 16, 70
+    ranks = torch.tensor([0, 3, 13, 16], dtype=torch.int32)  # per slot (slot 0: none)
+    a_h, a_g = torch.randn(4, 3 * cap, dim) / 8, torch.randn(4, cap, ff) / 8
+    b = {t: torch.randn(4, m, cap) / 8 for t, m in (("qkv", nq), ("fc1", ff), ("proj", dim), ("fc2", dim))}
+    for slot, r in enumerate(ranks.tolist()):  # the pool leaves rows and columns past a slot's rank zero
+        a_h.view(4, 3, cap, dim)[slot, :, r:] = 0
+        a_g[slot, r:] = 0
+        for t in b.values():
+            t[slot, :, r:] = 0
+    slots = [i * 7 % 4 for i in range(n)]
+    order, starts, seg_slots = lk.segments(slots)
+    as_int = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    segs = (as_int(order), as_int(starts + [starts[-1]] * (n + 1 - len(starts))),
+            as_int(seg_slots + [0] * (n - len(seg_slots))))
+    h, x, qkv, f = torch.randn(n, dim), torch.randn(n, dim), torch.randn(n, nq), torch.randn(n, ff)
+    v = torch.zeros(n, 4 * cap)
+    want_x, want_qkv, want_f, want_v = x.clone(), qkv.clone(), f.clone(), torch.zeros(n, 4 * cap)
+    for i, slot in enumerate(slots):
+        want_v[i, :3 * cap] = a_h[slot] @ h[i]
+        d = want_v[i].view(4, cap)
+        want_qkv[i] += b["qkv"][slot] @ d[0]
+        want_f[i] = F.gelu(f[i] + b["fc1"][slot] @ d[2], approximate="tanh")
+        d[3] = a_g[slot] @ want_f[i]
+        want_x[i] += b["proj"][slot] @ d[1] + b["fc2"][slot] @ d[3]
+    lk.lora_shrink(h, a_h, segs, ranks, v)
+    lk.lora_expand_in(qkv, f, v, b["qkv"], b["fc1"], a_g, segs, ranks)
+    lk.lora_expand_out(x, v, b["proj"], b["fc2"], segs, ranks)
+    for got, want in ((v, want_v), (qkv, want_qkv), (f, want_f), (x, want_x)):
+        assert rel_err(got, want) < 1e-5
+
+
 def test_step_inputs_pack_the_rows_in_segments_of_one_adapter(tiny_model):
     """Rows sorted by adapter slot, where each slot's run starts (empty segments after the last), its slot;
     a step without adapters leaves every segment empty."""
@@ -579,6 +617,49 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, monkeypatch):
     x = torch.randn(tokens, dim, generator=gen)
     got = mk.moe_mlp_cuda(x, moe.router.weight, moe.router.bias, moe.fc1, moe.fc2, top_k)
     assert rel_err(got, moe_mlp(x, moe)) < 1e-5
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 64, 8), (37, 64, 8), (20, 12, 3)])
+def test_route_kernel_picks_the_top_experts_and_groups_the_pairs(tokens, experts, top_k):
+    """One program's routing against torch's topk and softmax: the same top logits best first, equal logits in the
+    order of their expert ids, the same weights; every (token, slot) pair in its expert's run, each once."""
+    from kestrel_backend.model.text import top_experts
+    from kestrel_backend.runtime.moe_kernels import route_and_group
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(tokens, experts, generator=gen).round(decimals=1)  # (ties within rows)
+    gates, order, starts = route_and_group(logits, top_k, torch.float32)
+    ref_ids, ref_gates = top_experts(logits, top_k, torch.float32)
+    assert rel_err(gates, ref_gates) < 1e-6
+    pairs = tokens * top_k
+    assert sorted(order.tolist()) == list(range(pairs)) and starts[0] == 0 and starts[-1] == pairs
+    ids = torch.empty(pairs, dtype=torch.long)
+    for e in range(experts):
+        ids[order[starts[e]:starts[e + 1]].long()] = e
+    ids = ids.view(tokens, top_k)
+    chosen = logits.gather(1, ids)
+    assert torch.equal(chosen, logits.gather(1, ref_ids))  # the same values, best first
+    tied = chosen[:, 1:] == chosen[:, :-1]
+    assert tied.any() and (ids[:, 1:] > ids[:, :-1])[tied].all()
+
+
+@pytest.mark.parametrize("top_k, norm", [(3, True), (0, True), (3, False)])
+def test_residual_norm_kernel_matches_torch(top_k, norm):
+    """The end of a Moondream 3 decode layer in one kernel (expert rows summed, + proj, + x, the next layer's
+    norm) against torch's ops, on rows of a width that is not a power of two."""
+    from kestrel_backend.model.layers import layer_norm
+    from kestrel_backend.model.weights import LayerNorm
+    from kestrel_backend.runtime.residual_kernels import residual_norm
+
+    gen = torch.Generator().manual_seed(7)
+    t, n = 5, 96
+    proj, x = torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)
+    mlp = torch.randn(t * top_k if top_k else t, n, generator=gen)
+    ln = LayerNorm(torch.randn(n, generator=gen), torch.randn(n, generator=gen))
+    out, h = residual_norm(proj, mlp, top_k, x, ln if norm else None)
+    want = proj + (mlp.view(t, top_k, n).sum(1) if top_k else mlp) + x
+    assert rel_err(out, want) < 1e-6
+    assert (rel_err(h, layer_norm(want, ln)) < 1e-5) if norm else h is None
 
 
 @pytest.mark.parametrize("tokens", [1, 6])

@@ -73,8 +73,13 @@ def apply_tau(qkv: torch.Tensor, positions: torch.Tensor, tau: Tau, config: Text
 def route_tokens(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int):
     """Each token's top-k experts by router logit and their weights (softmax over those k, in x's dtype as the
     reference rounds them) -> (expert ids [T, k], weights [T, k])."""
-    top_logits, top_ids = torch.topk(F.linear(x, router_weight, router_bias), top_k, dim=-1)
-    return top_ids, torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
+    return top_experts(F.linear(x, router_weight, router_bias), top_k, x.dtype)
+
+
+def top_experts(logits: torch.Tensor, top_k: int, dtype: torch.dtype):
+    """Router logits [T, E] -> (the top_k expert ids [T, k], best first; their softmax weights in dtype)."""
+    top_logits, top_ids = torch.topk(logits, top_k, dim=-1)
+    return top_ids, torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(dtype)
 
 
 def moe_mlp(x: torch.Tensor, moe: MoE) -> torch.Tensor:

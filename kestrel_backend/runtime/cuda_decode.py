@@ -18,12 +18,14 @@ import torch
 from ..model.moondream import Moondream
 from ..model.packed import PackedWeight
 from ..model.layers import layer_norm, linear, mlp, mlp_hidden
-from ..model.text import apply_tau, moe_mlp
+from ..model.text import apply_tau
 from .cuda_graphs import CapturedGraphs
 from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, gpu_paths, greedy_tokens, linear2_residual,
                              norm_linear, norm_linear_attention, one_kernel_counters, rotary_paged_attention)
 from .kv_cache import PagedKVCache
 from .lora_kernels import lora_expand_in, lora_expand_out, lora_shrink, segments
+from .moe_kernels import moe_mlp_cuda
+from .residual_kernels import residual_norm
 from .w4a16_kernels import w4_linear2_residual, w4_norm_linear
 
 
@@ -66,10 +68,13 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
         pool, segs = lora
         shrunk = torch.zeros(len(w.blocks), x.shape[0], 4 * pool.rank_cap, device=x.device, dtype=torch.float32)
         side = _side_stream(x.device) if x.is_cuda else None
+    h = None  # Moondream 3's layers: the normed input, from the layer before
     for i, block in enumerate(w.blocks):
         last = i == len(w.blocks) - 1  # (straight into hidden_out: no copy node between it and the LM head)
         if block.tau is not None:  # Moondream 3's layers
-            x = _moondream3_layer(x, block, cfg, cache, i, inputs, context_splits, hidden_out if last else None)
+            h = layer_norm(x, block.ln) if h is None else h
+            x, h = _moondream3_layer(x, h, block, None if last else w.blocks[i + 1].ln, cfg, cache, i, inputs,
+                                     context_splits, hidden_out if last else None)
             continue
         if one_kernel:
             out, g = norm_linear_attention(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
@@ -130,17 +135,32 @@ def _join(side: torch.cuda.Stream | None) -> None:
         torch.cuda.current_stream().wait_stream(side)
 
 
-def _moondream3_layer(x: torch.Tensor, block, cfg, cache: PagedKVCache, i: int, inputs: "StepTensors",
-                      context_splits: int | None, out: torch.Tensor | None) -> torch.Tensor:
-    """One Moondream 3 layer of a decode step: cuBLAS for qkv and proj, tau from each row's position (its
-    length less one), the paged attention kernel, the dense MLP or the grouped expert kernels."""
-    h = layer_norm(x, block.ln)
+def _moondream3_layer(x: torch.Tensor, h: torch.Tensor, block, next_ln, cfg, cache: PagedKVCache, i: int,
+                      inputs: "StepTensors", context_splits: int | None, out: torch.Tensor | None):
+    """One Moondream 3 layer of a decode step on its normed input h: cuBLAS for qkv and proj, tau from each row's
+    position (its length less one), the paged attention kernel, the dense MLP or the grouped expert kernels, then
+    the residual and the next layer's norm (next_ln; None for the last layer) in one kernel. -> (x, next h).
+    The MLP (router, experts) runs on a side stream beside the attention's kernels: both read h alone, and
+    neither fills the GPU by itself (H100, batch 1: 1.62 against 2.25 ms a step; 64 rows 7.53 against 8.29)."""
+    side = _side_stream(x.device) if x.is_cuda else None
+    mlp_out = []  # (the MLP's output, from the side stream)
+    _fork(side, _moondream3_mlp, h, block, mlp_out)
     qkv = apply_tau(linear(h, block.qkv), inputs.seq_lens - 1, block.tau, cfg)
     attn = rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[i], cache.v[i], inputs.block_tables,
                                   inputs.seq_lens, inputs.slots, cfg.n_heads, cache.page_size, splits=context_splits)
-    mlp_out = moe_mlp(h, block.moe) if block.moe is not None else mlp(h, block.mlp)
-    new = torch.addmm(block.proj.bias, attn, block.proj.weight.t()).add_(mlp_out).add_(x)
-    return out.copy_(new) if out is not None else new
+    proj = torch.addmm(block.proj.bias, attn, block.proj.weight.t())
+    _join(side)
+    return residual_norm(proj, *mlp_out, x, next_ln, out)
+
+
+def _moondream3_mlp(h: torch.Tensor, block, result: list) -> None:
+    """The dense MLP's output, or the expert rows unsummed (with top_k), appended to result."""
+    if block.moe is None:
+        result += [mlp(h, block.mlp), 0]
+        return
+    moe = block.moe
+    result += [moe_mlp_cuda(h, moe.router.weight, moe.router.bias, moe.fc1, moe.fc2, moe.top_k, summed=False),
+               moe.top_k]
 
 
 def _step_counters(layers: int, heads: int, rows: int, one_kernel: bool, greedy: bool, device):

@@ -1,20 +1,23 @@
 """Moondream 3's expert MLPs on the GPU as grouped work, with no host sync (so decode steps replay as CUDA graphs).
 
-Each token's top-k (token, expert) pairs are grouped by expert on the device; a program of `_moe_up_kernel` takes
-one expert and one block of its inner columns and runs every pair routed to that expert through fc1 (tiles of 16
-rows in decode steps, 128 in prefill; tensor-core dots), reading the expert's weights once a tile, then applies
-gelu(h) * (g + 1). `_moe_down_kernel` does the same through fc2 and scales each row by its routing weight; the k
-rows of a token are summed in float32 at the end. Experts no token chose cost one program that returns at once.
+One program (`_route_kernel`) takes each token's top-k experts from the router's logits and their softmax
+weights, and groups the (token, expert) pairs by expert on the device (past ONE_PROGRAM_PAIRS pairs, in long
+prefills: torch's topk and sort). A program of `_moe_up_kernel` takes one expert and one block of its inner
+columns and runs every pair routed to that expert through fc1 (tiles of 16 rows in decode steps, 128 in prefill;
+tensor-core dots), reading the expert's weights once a tile, then applies gelu(h) * (g + 1). `_moe_down_kernel`
+does the same through fc2 and scales each row by its routing weight; the k rows of a token are summed in float32
+at the end (in decode steps by residual_kernels, with the residual). Experts no token chose cost one program that
+returns at once.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..model.text import route_tokens
-
+from ..model.text import top_experts
 
 
 @triton.jit
@@ -72,44 +75,72 @@ def _moe_down_kernel(act_ptr, w2_ptr, order_ptr, starts_ptr, gates_ptr, out_ptr,
 
 
 @triton.jit
-def _segments_kernel(ids_ptr, P, starts_ptr, fill_ptr, order_ptr, E: tl.constexpr, BINS: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """One program: count the pairs of each expert, write where each expert's run starts, then place every pair in
-    its expert's run (an atomic counter an expert; the order inside a run does not change any row's result)."""
+def _route_kernel(logits_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E: tl.constexpr,
+                  E_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program for the whole step: each token's top-K experts by router logit, best first (ties: the lower
+    expert id), and the softmax of those K logits in float32 (text.top_experts' values); then the (token, slot)
+    pairs grouped by expert: where each expert's run starts, and every pair placed in its expert's run (an atomic
+    counter an expert; the order inside a run does not change any row's result)."""
+    offs_e, offs_k = tl.arange(0, E_P2), tl.arange(0, K_P2)
     counts = tl.zeros([BINS], dtype=tl.int32)
-    for p0 in range(0, P, BLOCK):
-        offs = p0 + tl.arange(0, BLOCK)
-        counts += tl.histogram(tl.load(ids_ptr + offs, mask=offs < P, other=E), BINS)  # (padding: bin E)
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < T
+        logits = tl.load(logits_ptr + offs_t[:, None] * E + offs_e[None, :],
+                         mask=t_mask[:, None] & (offs_e < E)[None, :], other=float("-inf")).to(tl.float32)
+        logits = tl.where(t_mask[:, None], logits, 0.0)  # (rows past T: finite, written nowhere)
+        top = tl.full([BLOCK_T, K_P2], float("-inf"), tl.float32)
+        ids = tl.full([BLOCK_T, K_P2], E, tl.int32)  # (slots past K, tokens past T: bin E, no expert's)
+        for j in tl.static_range(K):
+            best = tl.argmax(logits, axis=1, tie_break_left=True)
+            top = tl.where(offs_k[None, :] == j, tl.max(logits, axis=1)[:, None], top)
+            ids = tl.where((offs_k[None, :] == j) & t_mask[:, None], best[:, None].to(tl.int32), ids)
+            logits = tl.where(offs_e[None, :] == best[:, None], float("-inf"), logits)
+        weights = tl.exp(top - tl.max(top, axis=1)[:, None])
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+        pairs = offs_t[:, None] * K + offs_k[None, :]
+        mask = t_mask[:, None] & (offs_k < K)[None, :]
+        tl.store(ids_ptr + pairs, ids, mask=mask)
+        tl.store(gates_ptr + pairs, weights.to(gates_ptr.dtype.element_ty), mask=mask)
+        counts += tl.histogram(tl.reshape(ids, [BLOCK_T * K_P2]), BINS)
     e = tl.arange(0, BINS)
     starts = tl.cumsum(counts, 0) - counts
+    P = T * K
     tl.store(starts_ptr + e, tl.where(e < E, starts, P), mask=e <= E)
     tl.store(fill_ptr + e, starts, mask=e < E)
-    tl.debug_barrier()  # the counters' start values, visible to every thread of the program
-    for p0 in range(0, P, BLOCK):
-        offs = p0 + tl.arange(0, BLOCK)
+    tl.debug_barrier()  # the ids and the counters' start values, visible to every thread of the program
+    for p0 in range(0, P, 1024):
+        offs = p0 + tl.arange(0, 1024)
         mask = offs < P
         ids = tl.load(ids_ptr + offs, mask=mask, other=0)
-        tl.store(order_ptr + tl.atomic_add(fill_ptr + ids, 1, mask=mask), offs, mask=mask)
+        tl.store(order_ptr + tl.atomic_add(fill_ptr + ids, 1, mask=mask, sem="relaxed"), offs, mask=mask)
 
 
-ONE_PROGRAM_PAIRS = 4096  # up to this many pairs (decode steps) one program groups them; more (prefill): torch's sort
+ONE_PROGRAM_PAIRS = 4096  # up to this many pairs (decode steps) one program routes and groups them; more: torch
 
 
-def expert_segments(top_ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, slot) pairs grouped by expert: pair indices (token * k + slot) in that order, and where each
-    expert's run starts ([E + 1], the last is the pair count). On the device, no sync."""
-    flat = top_ids.reshape(-1).to(torch.int32)
-    pairs = flat.shape[0]
+def route_and_group(logits: torch.Tensor, top_k: int, dtype: torch.dtype):
+    """Router logits [T, E] -> (each token's top_k expert weights [T, k] in dtype, the (token, slot) pairs grouped
+    by expert: pair indices (token * k + slot) in that order, and where each expert's run starts ([E + 1], the
+    last is the pair count)). On the device, no sync."""
+    t, n_experts = logits.shape
+    pairs = t * top_k
     if pairs > ONE_PROGRAM_PAIRS:
+        top_ids, gates = top_experts(logits, top_k, dtype)
+        flat = top_ids.reshape(-1).to(torch.int32)
         counts = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
         counts.scatter_add_(0, flat.long() + 1, torch.ones_like(flat))
-        return torch.argsort(flat, stable=True).to(torch.int32), counts.cumsum(0, dtype=torch.int32)
-    order = torch.empty(pairs, dtype=torch.int32, device=flat.device)
-    starts = torch.empty(n_experts + 1, dtype=torch.int32, device=flat.device)
-    fill = torch.empty(n_experts, dtype=torch.int32, device=flat.device)
-    _segments_kernel[(1,)](flat, pairs, starts, fill, order, E=n_experts, BINS=triton.next_power_of_2(n_experts + 1),
-                           BLOCK=1024, num_warps=4)
-    return order, starts
+        return gates, torch.argsort(flat, stable=True).to(torch.int32), counts.cumsum(0, dtype=torch.int32)
+    dev = logits.device
+    ids, order = (torch.empty(pairs, dtype=torch.int32, device=dev) for _ in range(2))
+    gates = torch.empty(t, top_k, dtype=dtype, device=dev)
+    starts = torch.empty(n_experts + 1, dtype=torch.int32, device=dev)
+    fill = torch.empty(n_experts, dtype=torch.int32, device=dev)
+    _route_kernel[(1,)](logits, t, ids, gates, starts, fill, order, E=n_experts,
+                        E_P2=triton.next_power_of_2(n_experts), K=top_k, K_P2=triton.next_power_of_2(top_k),
+                        BINS=triton.next_power_of_2(n_experts + 1), BLOCK_T=min(64, max(16, triton.next_power_of_2(t))),
+                        num_warps=4)
+    return gates, order, starts
 
 
 def _tiles(tokens: int, dtype: torch.dtype) -> tuple[dict, dict]:
@@ -138,14 +169,14 @@ PREFILL_TILES = (dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8),
 
 
 def moe_mlp_cuda(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, fc1: torch.Tensor,
-                 fc2: torch.Tensor, top_k: int) -> torch.Tensor:
-    """[T, dim] -> [T, dim]: text.moe_mlp's result, computed as grouped work over the experts."""
+                 fc2: torch.Tensor, top_k: int, summed: bool = True) -> torch.Tensor:
+    """[T, dim] -> [T, dim]: text.moe_mlp's result, computed as grouped work over the experts. summed=False: each
+    token's top_k weighted expert rows instead, [T * top_k, dim] float32 (residual_norm sums them)."""
     t, d = x.shape
     n_experts, inner = fc1.shape[0], fc1.shape[1] // 2
     up, down = _tiles(t, x.dtype)
     assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0 and x.stride(1) == 1
-    top_ids, gates = route_tokens(x, router_weight, router_bias, top_k)
-    order, starts = expert_segments(top_ids, n_experts)
+    gates, order, starts = route_and_group(F.linear(x, router_weight, router_bias), top_k, x.dtype)
     pairs = t * top_k
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(pairs, d, device=x.device, dtype=torch.float32)
@@ -154,4 +185,4 @@ def moe_mlp_cuda(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
         x, x.stride(0), fc1, order, starts, act, K=d, I=inner, TOP_K=top_k, PRECISION=precision, **up)
     _moe_down_kernel[(n_experts, triton.cdiv(d, down["BLOCK_N"]))](
         act, fc2, order, starts, gates.reshape(-1), out, N=d, I=inner, PRECISION=precision, **down)
-    return out.view(t, top_k, d).sum(1).to(x.dtype)
+    return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
