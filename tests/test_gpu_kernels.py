@@ -17,6 +17,13 @@ from kestrel_backend.model.text import attend, rope_table, split_qkv_with_rope  
 from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
 
 
+def segment_tensors(slots: list[int]) -> tuple[torch.Tensor, ...]:
+    """The adapter kernels' segments of rows with these adapter slots, as the step's device tensors hold them."""
+    from kestrel_backend.runtime.lora_kernels import segments
+
+    return tuple(torch.tensor(v, dtype=torch.int32) for v in segments(slots))
+
+
 def rel_err(got, ref):
     return float((got.double() - ref.double()).norm() / ref.double().norm())
 
@@ -406,12 +413,7 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
         placed = [pool.place(build_adapter(name, read_adapter_tensors([tiny_dir / "adapters" / name / "final.pt"]),
                                            cfg, 16, torch.float32, "cpu")) for name in ("r4", "r8")]
         per_row = [placed[1], None, placed[0]][:n_seqs]
-        from kestrel_backend.runtime.lora_kernels import segments
-
-        order, starts, seg_slots = segments([a.slot if a else 0 for a in per_row])
-        as_int = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-        rows = (pool, (as_int(order), as_int(starts + [starts[-1]] * (n_seqs + 1 - len(starts))),
-                       as_int(seg_slots + [0] * (n_seqs - len(seg_slots)))))
+        rows = (pool, segment_tensors([a.slot if a else 0 for a in per_row]))
         lora = LoraRows.of(per_row, [1] * n_seqs)
     hidden_ref = model.forward(x, positions, step, lora)
     logits_ref = model.logits(hidden_ref)
@@ -555,10 +557,7 @@ def test_lora_kernels_give_each_row_its_own_adapters_deltas():
         for t in b.values():
             t[slot, :, r:] = 0
     slots = [i * 7 % 4 for i in range(n)]
-    order, starts, seg_slots = lk.segments(slots)
-    as_int = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    segs = (as_int(order), as_int(starts + [starts[-1]] * (n + 1 - len(starts))),
-            as_int(seg_slots + [0] * (n - len(seg_slots))))
+    segs = segment_tensors(slots)
     h, x, qkv, f = torch.randn(n, dim), torch.randn(n, dim), torch.randn(n, nq), torch.randn(n, ff)
     v = torch.zeros(n, 4 * cap)
     want_x, want_qkv, want_f, want_v = x.clone(), qkv.clone(), f.clone(), torch.zeros(n, 4 * cap)

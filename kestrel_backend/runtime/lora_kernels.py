@@ -24,15 +24,18 @@ import triton.language as tl
 from .decode_kernels import _gelu_tanh
 
 
-def segments(slots: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """Each row's adapter slot -> (rows sorted by slot, where each slot's run starts (and the end), its slot)."""
+def segments(slots: list[int], n: int | None = None) -> tuple[list[int], list[int], list[int]]:
+    """Each row's adapter slot -> (rows sorted by slot, where each slot's run starts (then the end), its slot), for
+    the kernels' segment axis of n programs (default: a row each): the segments past the step's are empty (they
+    start at the end) and of slot 0."""
+    n = len(slots) if n is None else n
     order = sorted(range(len(slots)), key=lambda row: slots[row])
     starts, seg_slots = [], []
     for i, row in enumerate(order):
         if not seg_slots or slots[row] != seg_slots[-1]:
             starts.append(i)
             seg_slots.append(slots[row])
-    return order, starts + [len(order)], seg_slots
+    return order, starts + [len(order)] * (n + 1 - len(starts)), seg_slots + [0] * (n - len(seg_slots))
 
 
 @triton.jit
@@ -160,9 +163,9 @@ def _lora_expand_out_kernel(x_ptr, x_stride, v_ptr, v_stride, b_proj_ptr, b_fc2_
         v_ptrs = v_ptr + rows[:, None] * v_stride + offs_r[None, :]
         vr_mask = m[:, None] & r_mask[None, :]
         v_proj = tl.load(v_ptrs + R, mask=vr_mask, other=0.0).to(proj.dtype)
+        v_fc2 = tl.load(v_ptrs + 3 * R, mask=vr_mask, other=0.0).to(fc2.dtype)
         y = tl.dot(v_proj, tl.trans(proj), y, input_precision=PRECISION)
-        y = tl.dot(tl.load(v_ptrs + 3 * R, mask=vr_mask, other=0.0).to(fc2.dtype), tl.trans(fc2), y,
-                   input_precision=PRECISION)
+        y = tl.dot(v_fc2, tl.trans(fc2), y, input_precision=PRECISION)
         tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
 
 
