@@ -9,13 +9,15 @@ process alive. Every request ends with exactly one TRITONSERVER_RESPONSE_COMPLET
 
 Stopping: tritonserver (SIGTERM, or an unload) refuses new requests to a model it is unloading and waits for those
 in flight before it calls finalize(), for up to its exit timeout. The Python backend tells a model nothing before
-finalize(), so the watcher asks tritonserver whether this model is still ready; once it is not, the engine drains
-(KESTREL_DRAIN_TIMEOUT_S) and ends what still runs with a clear error before tritonserver's deadline cuts it.
+finalize(), so the watcher asks tritonserver's HTTP endpoint whether this model is still ready (stop_probe.py says
+why not pb_utils.is_model_ready); once it is not, the engine drains (KESTREL_DRAIN_TIMEOUT_S) and ends what still
+runs with a clear error before tritonserver's deadline cuts it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -29,6 +31,7 @@ from ..errors import EngineDraining, EngineOverloaded, InvalidRequest, RequestCa
 from .metrics import TritonMetrics
 from .outbox import GuardedSender, Outbox, Outgoing
 from .protocol import WireRequest, chunk_body, final_stream_body, parse_request, result_body
+from .stop_probe import StopProbe
 
 log = logging.getLogger("kestrel.triton")
 WATCH_INTERVAL_S = 0.05
@@ -37,6 +40,7 @@ WATCH_INTERVAL_S = 0.05
 class TritonAdapter:
     def __init__(self, model_config: dict, pb, instance: tuple[str, int] | None = None):
         """instance: (kind, device id) of this model instance, as Triton gives them to initialize()."""
+        faulthandler.enable(all_threads=True)  # a crash of the stub then leaves every thread's stack in the log
         self.pb = pb
         self.model_name = model_config.get("name", "moondream")
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
@@ -45,7 +49,10 @@ class TritonAdapter:
         self.outbox = Outbox(pb)
         self._inflight: dict[asyncio.Task, object] = {}
         self._stopping = threading.Event()
-        self._seen_ready = False  # (the model is not ready while it loads: only ready then not ready means a stop)
+        self.stop_probe = StopProbe.for_parent_server(self.model_name)
+        if self.stop_probe is None:
+            log.warning("tritonserver serves no HTTP: a server stop cannot be seen, so requests running then are not "
+                        "drained (KESTREL_DRAIN_TIMEOUT_S) but run until tritonserver's exit timeout")
         threading.Thread(target=self._watch, name="kestrel-watch", daemon=True).start()
 
     # --- Triton's thread ---
@@ -142,22 +149,12 @@ class TritonAdapter:
             for task, sender in list(self._inflight.items()):
                 if sender.is_cancelled():
                     self.engine.loop.call_soon_threadsafe(task.cancel)
-            if not self.engine.draining and self._server_stopping():
+            if self.stop_probe and not self.engine.draining and self.stop_probe.stopping():
                 self.engine.drain()
             self.outbox.call(self.metrics.engine_state, self.engine.stats())
             if not self.engine.healthy:
                 self._stop_server()
                 return
-
-    def _server_stopping(self) -> bool:
-        """True once tritonserver, having served this model, says it is not ready: the model is being unloaded, or
-        the server is exiting (the call then fails with "Server not ready")."""
-        try:
-            ready = bool(self.pb.is_model_ready(self.model_name))
-        except Exception:
-            ready = False
-        self._seen_ready |= ready
-        return self._seen_ready and not ready
 
     def _stop_server(self) -> None:
         """The engine cannot serve (device unusable): ask tritonserver (our parent) to shut down. Readiness
