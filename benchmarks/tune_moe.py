@@ -1,8 +1,9 @@
-"""Tile sizes of Moondream 3's expert kernels (runtime/moe_kernels.py), timed on the GPU with full-size expert
+"""Tile sizes and paths of Moondream 3's expert MLP (runtime/moe_kernels.py), timed on the GPU with full-size expert
 weights (bf16, random) at a decode step's token count and a prefill's, in TFLOP/s and GB/s of expert weights.
 
-    python benchmarks/tune_moe.py            # the prefill candidates below
-    python benchmarks/tune_moe.py --decode   # a sweep of the up and the down kernel's tiles at 16 and 64 tokens
+    python benchmarks/tune_moe.py             # the prefill tile candidates below; the kernels against the grouped GEMM
+    python benchmarks/tune_moe.py --decode    # a sweep of the up and the down kernel's tiles at 16 and 64 tokens
+    python benchmarks/tune_moe.py --one-token # the same inside whole decode steps of one sequence (full-size model)
 """
 
 import itertools
@@ -17,7 +18,7 @@ from kestrel_backend.model.config import MoeConfig  # noqa: E402
 from kestrel_backend.runtime import moe_kernels as mk  # noqa: E402
 
 CANDIDATES = {
-    "current": None,
+    "kernels": None,
     "m64 n64/128 w4/8": (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8)),
     "m128 n128 w8 s4": (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
                         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)),
@@ -56,6 +57,43 @@ def decode_sweep(x_for, router_w, router_b, fc1, fc2, m) -> None:
     mk._tiles = default
 
 
+def one_token_sweep() -> None:
+    """Tiles of one token's expert kernels timed inside the whole decode step (launched ahead, context 64): there
+    they share the GPU with the attention path on the other stream, and the best tiles for the MLP alone lose."""
+    from benchmarks.gpu_bench import ceilings, decode_steps
+    from kestrel_backend.model.config import MoondreamConfig
+    from kestrel_backend.model.moondream import Moondream
+    from kestrel_backend.model.weights import random_weights
+
+    bandwidth = ceilings()["copy_bandwidth_GBps"] * 1e9
+    config = MoondreamConfig.official("moondream3")
+    model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
+    chosen = list(mk.ONE_TOKEN_TILES)
+
+    def step(tiles, context=64) -> float:
+        mk.ONE_TOKEN_TILES = tuple(tiles)
+        return decode_steps(model, [1], context, bandwidth, "graph-ahead")[0]["step_ms"]
+
+    grid = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+            for n, k, w, s in itertools.product((16, 32, 64), (64, 128), (2, 4, 8), (2, 3, 4))]
+    with torch.inference_mode():
+        print(f"current: {step(chosen):.4f} ms", flush=True)
+        for which in (0, 1):
+            results = []
+            for tiles in grid:
+                pair = list(chosen)
+                pair[which] = tiles
+                try:
+                    results.append((step(pair), tiles))
+                except Exception:  # (tiles past the shared memory)
+                    continue
+            results.sort(key=lambda r: r[0])
+            for ms, tiles in results[:4]:
+                print(f"{'up' if which == 0 else 'down'} {ms:.4f} ms {tiles}", flush=True)
+            chosen[which] = results[0][1]
+        print(f"best pair: {step(chosen):.4f} ms at context 64, {step(chosen, 800):.4f} at 800: {chosen}", flush=True)
+
+
 def main() -> None:
     m, dim = MoeConfig(), 2048
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -63,26 +101,30 @@ def main() -> None:
     fc2 = torch.randn(m.n_experts, dim, m.expert_inner_dim, device="cuda", generator=gen).mul_(1 / 32).bfloat16()
     router_w = torch.randn(m.n_experts, dim, device="cuda", generator=gen).mul_(dim ** -0.5).bfloat16()
     router_b = torch.zeros(m.n_experts, device="cuda", dtype=torch.bfloat16)
+    if "--one-token" in sys.argv:
+        return one_token_sweep()
     if "--decode" in sys.argv:
         return decode_sweep(lambda t: torch.randn(t, dim, device="cuda", generator=gen).bfloat16(), router_w,
                             router_b, fc1, fc2, m)
-    default = mk._tiles
-    for tokens in (1, 64, 742, 8 * 742):
+    default, grouped_from = mk._tiles, mk.GROUPED_GEMM_PAIRS
+    for tokens in (1, 64, 300, 512, 742, 1024, 1484, 2968, 8 * 742):
         x = torch.randn(tokens, dim, device="cuda", generator=gen).bfloat16()
         flop = 2 * tokens * m.n_experts_per_tok * 3 * dim * m.expert_inner_dim
         experts = m.n_experts * (1 - (1 - m.n_experts_per_tok / m.n_experts) ** tokens)
         weight_bytes = experts * 3 * dim * m.expert_inner_dim * 2
-        for name, tiles in CANDIDATES.items():
-            if tiles is not None and tokens <= 128:
-                continue  # (the candidates are prefill tiles)
+        paths = {"current": (None, grouped_from)}
+        if tokens > 128:  # prefills: the kernels' tile candidates, and the grouped GEMM path
+            paths |= {name: (tiles, 10 ** 9) for name, tiles in CANDIDATES.items()} | {"grouped GEMM": (None, 0)}
+        for name, (tiles, grouped_pairs) in paths.items():
             mk._tiles = default if tiles is None else (lambda t, dtype, tiles=tiles: tiles)
+            mk.GROUPED_GEMM_PAIRS = grouped_pairs
             try:
                 ms = graph_timed(lambda: mk.moe_mlp_cuda(x, router_w, router_b, fc1, fc2, m.n_experts_per_tok), calls=4)
                 print(f"{tokens:5d} tokens {name:18s} {ms:8.3f} ms  {flop / ms / 1e9:7.1f} TFLOP/s  "
                       f"{weight_bytes / ms / 1e6:7.0f} GB/s", flush=True)
             except Exception as e:  # a tile that does not fit: say so, go on
                 print(f"{tokens:5d} tokens {name:18s} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
-        mk._tiles = default
+        mk._tiles, mk.GROUPED_GEMM_PAIRS = default, grouped_from
 
 
 if __name__ == "__main__":

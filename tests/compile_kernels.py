@@ -118,6 +118,10 @@ def launch_everything() -> None:
             mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), torch.zeros(moe.n_experts, cfg.dim, **f),
                             torch.zeros(moe.n_experts, **f), torch.zeros(moe.n_experts, 2 * moe.expert_inner_dim, cfg.dim, **f),
                             torch.zeros(moe.n_experts, cfg.dim, moe.expert_inner_dim, **f), moe.n_experts_per_tok)
+        pairs = 1024 * moe.n_experts_per_tok  # (the grouped GEMM path of long prefills: its two kernels of our own)
+        mk.gated_gelu(torch.zeros(pairs, 2 * moe.expert_inner_dim, **f))
+        mk.combine_rows(torch.zeros(pairs, cfg.dim, **f), torch.zeros(pairs, dtype=torch.int32),
+                        torch.zeros(1024, moe.n_experts_per_tok, **f), f["dtype"])
         vision = torch.zeros(729, VisionConfig().enc_dim, **f)
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
 

@@ -238,6 +238,44 @@ def test_same_image_is_decoded_and_encoded_once(engine, monkeypatch):
     assert len(decoded) == 1 and engine.stats()["images_encoded"] - before == 1
 
 
+def test_questions_arriving_together_on_a_new_image_prefill_its_prefix_once(tiny_dir):
+    """Two questions on one new image, submitted at once with room for both in the batch: the first prefills the
+    image prefix, the second waits one step and reads it from the prefix cache; the answers equal each asked alone
+    on a fresh engine."""
+    import numpy as np
+    import pyvips
+
+    pixels = np.random.default_rng(12).integers(0, 256, (150, 220, 3), dtype=np.uint8)
+    image = pyvips.Image.new_from_array(pixels).pngsave_buffer()
+    questions = ["What is this?", "Describe the colours."]
+
+    def engine_with_room():
+        return InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                                    max_batch_size=4, kv_pages=200))
+
+    async def ask(eng, question):
+        return await eng.query(image, question, settings={"temperature": 0, "max_tokens": 6})
+
+    alone = []
+    for question in questions:
+        eng = engine_with_room()
+        try:
+            alone.append(asyncio.run(ask(eng, question)).output)
+        finally:
+            eng.shutdown()
+    eng = engine_with_room()
+    try:
+        async def together():
+            return await asyncio.gather(*[ask(eng, q) for q in questions])
+
+        results = asyncio.run(together())
+        assert [r.output for r in results] == alone
+        assert eng.stats()["prefix_hits"] == 1 and eng.stats()["images_encoded"] == 1
+        assert eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
 def test_a_burst_on_one_new_image_decodes_it_once_and_survives_a_cancel(engine, monkeypatch):
     """Requests that bring the same new image while it is being decoded share that decode; one of them
     cancelled leaves the others theirs. A broken image fails every request that brought it, alone."""

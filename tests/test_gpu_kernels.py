@@ -275,7 +275,7 @@ def test_prefill_graphs_forward_matches_the_flat_step(tiny_model, seqs):
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # (spare work items: 0 / 0, never stored)
 def test_engine_prefill_steps_of_several_sequences_through_the_prefill_graphs(tiny_dir):
     """The scheduler's prefill steps through PrefillGraphs (their padded forward run eagerly here), two requests
-    on one image admitted in one step: fresh, then on the image's cached prefix pages. Each answers as the flat
+    on two images admitted in one step: fresh, then on the images' cached prefix pages. Each answers as the flat
     prefill step makes it answer, and every page is given back."""
     import asyncio
 
@@ -297,20 +297,29 @@ def test_engine_prefill_steps_of_several_sequences_through_the_prefill_graphs(ti
     run = graphs.run
     graphs.run = lambda x, slices: steps.append(len(slices)) or run(x, slices)
 
-    def burst(img, through_graphs: bool):
-        """Two questions submitted on the engine loop in one go: both are admitted at the next step."""
+    def burst(images, through_graphs: bool):
+        """A question on each image, submitted on the engine loop in one go: all admitted at the next step."""
         eng.scheduler.prefill_graphs = graphs if through_graphs else None  # (between steps: no request in flight)
 
         async def both():
             return await asyncio.gather(*[eng.query(img, q, settings={"temperature": 0, "max_tokens": 6})
-                                          for q in ("Hi", "Count the dogs")])  # (first tokens differ)
+                                          for img, q in zip(images, ("Hi", "Count the dogs"))])  # (first tokens differ)
         return [r.output for r in asyncio.run_coroutine_threadsafe(both(), eng.loop).result(timeout=120)]
 
+    def forget_prefixes():  # (the images stay encoded: their requests enter the queue together, no decode between)
+        async def on_the_loop():
+            eng.scheduler.prefixes.reclaim(eng.kv.num_pages)
+        asyncio.run_coroutine_threadsafe(on_the_loop(), eng.loop).result(timeout=60)
+
     try:
-        a, b = image(1), image(2)
-        fresh_flat, cached_graphs = burst(a, False), burst(a, True)
+        ab, cd = (image(1), image(2)), (image(3), image(4))
+        for img in ab + cd:
+            burst((img,), False)
+        forget_prefixes()
+        fresh_flat, cached_graphs = burst(ab, False), burst(ab, True)
         assert steps == [2] and cached_graphs == fresh_flat and fresh_flat[0] != fresh_flat[1]  # (order tells)
-        fresh_graphs, cached_flat = burst(b, True), burst(b, False)
+        forget_prefixes()
+        fresh_graphs, cached_flat = burst(cd, True), burst(cd, False)
         assert steps == [2, 2] and fresh_graphs == cached_flat and fresh_graphs != fresh_flat
         assert eng.stats()["prefix_hits"] == 4 and eng.no_request_holds_pages()
     finally:
@@ -599,7 +608,8 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, monkeypatch):
     """Moondream 3's grouped expert kernels (pairs grouped by expert, each expert's weights read once a tile of its
     rows; at 40 tokens more than one 16-row tile an expert; at 64 the bf16 decode tiles of 128-deep chunks; at 300 the
     prefill tiles of 128 rows; at 1400 more than 4,096 pairs, grouped by torch's sort, and more than one such tile an
-    expert) against text.moe_mlp's loop."""
+    expert; at 1 the bf16 tiles of one token; up to 16 tokens the router's logits come from its own kernel)
+    against text.moe_mlp's loop."""
     from kestrel_backend.model.text import moe_mlp
     from kestrel_backend.model.weights import Linear, MoE
     from kestrel_backend.runtime import moe_kernels as mk
@@ -608,6 +618,8 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, monkeypatch):
         monkeypatch.setattr(mk, "_tiles", lambda t, dtype: mk.PREFILL_TILES)
     if tokens == 64:
         monkeypatch.setattr(mk, "_tiles", lambda t, dtype: mk.DECODE_TILES)
+    if tokens == 1:
+        monkeypatch.setattr(mk, "_tiles", lambda t, dtype: mk.ONE_TOKEN_TILES)
     gen = torch.Generator().manual_seed(3)
     dim, inner, experts = 128, 128, 8
     moe = MoE(Linear(torch.randn(experts, dim, generator=gen), torch.randn(experts, generator=gen)),
@@ -615,6 +627,28 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, monkeypatch):
               torch.randn(experts, dim, inner, generator=gen) / inner ** 0.5, top_k)
     x = torch.randn(tokens, dim, generator=gen)
     got = mk.moe_mlp_cuda(x, moe.router.weight, moe.router.bias, moe.fc1, moe.fc2, top_k)
+    assert rel_err(got, moe_mlp(x, moe)) < 1e-5
+
+
+@pytest.mark.parametrize("tokens, top_k", [(300, 3), (1400, 8)])
+def test_grouped_gemm_path_matches_the_per_expert_loop(tokens, top_k):
+    """The long-prefill path (rows gathered in expert order, torch's grouped GEMM, the gated GELU and the weighted
+    sum of each token's rows as kernels of their own) against text.moe_mlp's loop; experts with no rows included."""
+    from kestrel_backend.model.text import moe_mlp
+    from kestrel_backend.model.weights import Linear, MoE
+    from kestrel_backend.runtime import moe_kernels as mk
+
+    gen = torch.Generator().manual_seed(8)
+    dim, inner, experts = 96, 80, 12
+    bias = torch.randn(experts, generator=gen)
+    bias[5] = -1e4  # (an expert no token chooses)
+    moe = MoE(Linear(torch.randn(experts, dim, generator=gen), bias),
+              torch.randn(experts, 2 * inner, dim, generator=gen) / dim ** 0.5,
+              torch.randn(experts, dim, inner, generator=gen) / inner ** 0.5, top_k)
+    x = torch.randn(tokens, dim, generator=gen)
+    gates, order, starts = mk.route_and_group(mk.router_logits(x, moe.router.weight, moe.router.bias), top_k, x.dtype)
+    assert starts[5] == starts[6]
+    got = mk._moe_mlp_grouped(x, gates, order, starts, moe.fc1, moe.fc2, top_k)
     assert rel_err(got, moe_mlp(x, moe)) < 1e-5
 
 

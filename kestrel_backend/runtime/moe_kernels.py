@@ -8,6 +8,11 @@ tensor-core dots), reading the expert's weights once a tile, then applies gelu(h
 does the same through fc2 and scales each row by its routing weight; the k rows of a token are summed in float32
 at the end (in decode steps by residual_kernels, with the residual). Experts no token chose cost one program that
 returns at once.
+
+Long bf16 prefills on Hopper and later take another path (`_moe_mlp_grouped`): the pairs' rows gathered in
+expert order, both matmuls as torch's grouped GEMM (CUTLASS: about 600 TFLOP/s on an H100 where the kernels
+above reach 200, their programs each looping over one expert's rows), gelu(h) * (g + 1) and the weighted sum of a
+token's k rows as one pass each.
 """
 
 from __future__ import annotations
@@ -72,6 +77,55 @@ def _moe_down_kernel(act_ptr, w2_ptr, order_ptr, starts_ptr, gates_ptr, out_ptr,
         gate = tl.load(gates_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + pair[:, None].to(tl.int64) * N + offs_n[None, :], acc * gate[:, None],
                  mask=r_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _router_kernel(x_ptr, x_stride, w_ptr, b_ptr, out_ptr, T, K: tl.constexpr, E: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The router's logits of a few tokens, one program an expert (cuBLAS runs this 64 x 2048 product in one
+    block: 5.1 us at batch 1 against 3.0; the decode step of one token 1.596 against 1.614 ms)."""
+    e = tl.program_id(0)
+    offs_t = tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + offs_t[:, None] * x_stride + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + e * K + offs_k, mask=k_mask, other=0.0)
+        acc += tl.sum(x.to(tl.float32) * w.to(tl.float32)[None, :], axis=1)
+    acc += tl.load(b_ptr + e).to(tl.float32)
+    tl.store(out_ptr + offs_t * E + e, acc.to(out_ptr.dtype.element_ty), mask=t_mask)
+
+
+@triton.jit
+def _gated_gelu_kernel(h_ptr, act_ptr, P, I: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr):
+    """act = gelu(h) * (g + 1) for rows [h | g] of fc1's grouped output [P, 2I] -> [P, I]."""
+    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (rows < P)[:, None] & (cols < I)[None, :]
+    h_rows = h_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
+    h = tl.load(h_rows, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(h_rows + I, mask=mask, other=0.0).to(tl.float32)
+    act = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476)) * (g + 1.0)  # exact GELU
+    tl.store(act_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, where_ptr, gates_ptr, out_ptr, N: tl.constexpr, TOP_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """out[t] = the sum over t's k pairs of gate * (the pair's fc2 row), in float32: where[t * k + j] is the row
+    of pair (t, j) in the grouped output."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(where_ptr + t * TOP_K + j).to(tl.int64)
+        gate = tl.load(gates_ptr + t * TOP_K + j).to(tl.float32)
+        acc += tl.load(y_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32) * gate
+    tl.store(out_ptr + t.to(tl.int64) * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -147,6 +201,8 @@ def _tiles(tokens: int, dtype: torch.dtype) -> tuple[dict, dict]:
     """Tile sizes of the up and down kernels: few tokens (decode) want many small programs to keep the memory
     system busy reading the experts; many (prefill) want large tiles for the tensor cores (in bf16: float32's
     would not fit the shared memory of every GPU). benchmarks/tune_moe.py compares others."""
+    if tokens == 1 and dtype != torch.float32:
+        return ONE_TOKEN_TILES
     if tokens <= 16:
         small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4)
         return small, small
@@ -156,6 +212,13 @@ def _tiles(tokens: int, dtype: torch.dtype) -> tuple[dict, dict]:
     if tokens <= 128:
         return DECODE_TILES
     return PREFILL_TILES
+
+
+# One token (H100, tune_moe.py --one-token: tiles swept inside the whole decode step, where the expert kernels share
+# the GPU with the attention's on the other stream; step 1.540 against 1.598 ms with the 16-token tiles). Tiles
+# that were faster for the MLP alone made the step slower (1.705 ms).
+ONE_TOKEN_TILES = (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=2, num_stages=2),
+                   dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=2, num_stages=3))
 
 
 # Deeper K tiles for a decode step of many rows (H100, tune_moe.py --decode, 64 tokens: the expert MLP 0.325 against
@@ -168,16 +231,70 @@ PREFILL_TILES = (dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8))
 
 
+# From here on (prefills of 512 tokens and more) the grouped GEMM path; H100, tune_moe.py, the MLP of 5,936 tokens
+# 1.395 against 2.946 ms, of 1,484 0.570 against 0.882, of 742 0.480 against 0.493, equal at 512.
+GROUPED_GEMM_PAIRS = 4096
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight, bias): for a few tokens one program an expert, else cuBLAS."""
+    t, d = x.shape
+    if t > 16 or x.stride(1) != 1:
+        return F.linear(x, weight, bias)
+    out = torch.empty(t, weight.shape[0], device=x.device, dtype=x.dtype)
+    _router_kernel[(weight.shape[0],)](x, x.stride(0), weight, bias, out, t, K=d, E=weight.shape[0],
+                                       BLOCK_T=max(2, triton.next_power_of_2(t)),
+                                       BLOCK_K=min(512, triton.next_power_of_2(d)), num_warps=2)
+    return out
+
+
+def gated_gelu(h: torch.Tensor) -> torch.Tensor:
+    """[P, 2I] rows [h | g] -> gelu(h) * (g + 1), [P, I]."""
+    p, inner = h.shape[0], h.shape[1] // 2
+    act = torch.empty(p, inner, device=h.device, dtype=h.dtype)
+    _gated_gelu_kernel[(triton.cdiv(p, 16), triton.cdiv(inner, 256))](h, act, p, I=inner, BLOCK_P=16, BLOCK_I=256,
+                                                                     num_warps=4)
+    return act
+
+
+def combine_rows(y: torch.Tensor, where: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's k rows of y (at where[t * k + j]) weighted by its gates [T, k] and summed -> [T, N]."""
+    t, top_k = gates.shape
+    n = y.shape[1]
+    out = torch.empty(t, n, device=y.device, dtype=dtype)
+    _combine_kernel[(t, triton.cdiv(n, 512))](y, where, gates, out, N=n, TOP_K=top_k, BLOCK_N=512, num_warps=4)
+    return out
+
+
+def _moe_mlp_grouped(x: torch.Tensor, gates: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
+                     fc1: torch.Tensor, fc2: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The expert MLP with torch's grouped GEMM over the pairs in expert order (starts[e + 1]: where expert e's
+    rows end)."""
+    ends = starts[1:]
+    h = torch._grouped_mm(x.index_select(0, order // top_k), fc1.transpose(1, 2), offs=ends)
+    y = torch._grouped_mm(gated_gelu(h), fc2.transpose(1, 2), offs=ends)
+    where = torch.empty_like(order)
+    where[order.long()] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return combine_rows(y, where, gates, x.dtype)
+
+
+def _grouped_gemm_pays(x: torch.Tensor, pairs: int) -> bool:
+    return (pairs >= GROUPED_GEMM_PAIRS and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
 def moe_mlp_cuda(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, fc1: torch.Tensor,
                  fc2: torch.Tensor, top_k: int, summed: bool = True) -> torch.Tensor:
     """[T, dim] -> [T, dim]: text.moe_mlp's result, computed as grouped work over the experts. summed=False: each
     token's top_k weighted expert rows instead, [T * top_k, dim] float32 (residual_norm sums them)."""
     t, d = x.shape
     n_experts, inner = fc1.shape[0], fc1.shape[1] // 2
+    gates, order, starts = route_and_group(router_logits(x, router_weight, router_bias), top_k, x.dtype)
+    pairs = t * top_k
+    if summed and _grouped_gemm_pays(x, pairs):
+        return _moe_mlp_grouped(x, gates, order, starts, fc1, fc2, top_k)
     up, down = _tiles(t, x.dtype)
     assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0 and x.stride(1) == 1
-    gates, order, starts = route_and_group(F.linear(x, router_weight, router_bias), top_k, x.dtype)
-    pairs = t * top_k
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(pairs, d, device=x.device, dtype=torch.float32)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)

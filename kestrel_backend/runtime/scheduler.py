@@ -182,10 +182,16 @@ class Scheduler:
         self.steps += 1
 
     def _admit(self) -> list[Sequence]:
-        new = []
+        """Waiting sequences into the batch, in arrival order, while slots and pages last. A sequence whose image
+        prefix another one prefills in this step waits for the next step, which reads that prefix from the prefix
+        cache (questions on one image arrive together: admitted together, each would prefill the 730 tokens)."""
+        new, deferred, prefilling = [], [], set()
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             shared = self.prefixes.lookup(seq.prefix_key) if seq.image_key is not None else []
+            if not shared and seq.prefix_key in prefilling:
+                deferred.append(self.waiting.popleft())
+                continue
             need = self.cache.pages_for(seq.capacity) - len(shared)
             if need > self.cache.pages_free:
                 self.prefixes.reclaim(need, keep=seq.prefix_key)
@@ -195,8 +201,11 @@ class Scheduler:
             self.cache.allocate(seq.id, seq.capacity, shared)
             seq.length = seq.cached_tokens = len(shared) * self.cache.page_size
             self.prefix_hits += bool(shared)
+            if seq.image_key is not None and not shared and self.prefixes.capacity:
+                prefilling.add(seq.prefix_key)
             self.running.append(seq)
             new.append(seq)
+        self.waiting.extendleft(reversed(deferred))  # (at the head again, in their order)
         return self._attach_images(new)
 
     def _keep_prefixes(self, prefilled: list[Sequence]) -> None:
