@@ -29,31 +29,43 @@ CANDIDATES = {
 }
 
 
+def tile_grid(columns, depths, warps, stages) -> list[dict]:
+    return [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+            for n, k, w, s in itertools.product(columns, depths, warps, stages)]
+
+
+def ranked(time_pair, base: tuple, which: int, candidates) -> list[tuple[float, dict]]:
+    """(ms, tiles) of each candidate for kernel `which` (0 up, 1 down) beside base's tiles for the other, fastest
+    first; time_pair((up, down)) -> ms. Candidates past the GPU's shared memory are left out."""
+    results = []
+    for tiles in candidates:
+        pair = (tiles, base[1]) if which == 0 else (base[0], tiles)
+        try:
+            results.append((time_pair(pair), tiles))
+        except Exception:  # (tiles past the shared memory)
+            continue
+    return sorted(results, key=lambda r: r[0])
+
+
 def decode_sweep(x_for, router_w, router_b, fc1, fc2, m) -> None:
     """Each kernel's tiles in turn (the other at its current tiles), at a decode step's token counts."""
     default = mk._tiles
-    grid = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
-            for n, k, w, s in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4))]
+    grid = tile_grid((32, 64, 128), (64, 128), (4, 8), (3, 4))
     for tokens in (16, 64):
         x, current = x_for(tokens), default(tokens, torch.bfloat16)
         experts = m.n_experts * (1 - (1 - m.n_experts_per_tok / m.n_experts) ** tokens)
         weight_bytes = experts * 3 * x.shape[1] * m.expert_inner_dim * 2
+
+        def time_pair(pair) -> float:
+            mk._tiles = lambda t, dtype: pair
+            return graph_timed(lambda: mk.moe_mlp_cuda(x, router_w, router_b, fc1, fc2, m.n_experts_per_tok), calls=8)
+
+        ms = time_pair(current)
+        print(f"{tokens} tokens, current: {ms:.4f} ms, {weight_bytes / ms / 1e6:.0f} GB/s", flush=True)
         for which in (0, 1):
-            best = None
-            for tiles in [current[which]] + grid:
-                pair = (tiles, current[1]) if which == 0 else (current[0], tiles)
-                mk._tiles = lambda t, dtype, pair=pair: pair
-                try:
-                    ms = graph_timed(lambda: mk.moe_mlp_cuda(x, router_w, router_b, fc1, fc2, m.n_experts_per_tok),
-                                     calls=8)
-                except Exception:  # (tiles past the shared memory)
-                    continue
-                if best is None or ms < best[0]:
-                    best = (ms, tiles)
-                if tiles is current[which]:
-                    print(f"{tokens} tokens, current: {ms:.4f} ms, {weight_bytes / ms / 1e6:.0f} GB/s", flush=True)
-            print(f"{tokens} tokens, best {'up' if which == 0 else 'down'}: {best[1]} {best[0]:.4f} ms, "
-                  f"{weight_bytes / best[0] / 1e6:.0f} GB/s", flush=True)
+            best_ms, best = ranked(time_pair, current, which, [current[which]] + grid)[0]
+            print(f"{tokens} tokens, best {'up' if which == 0 else 'down'}: {best} {best_ms:.4f} ms, "
+                  f"{weight_bytes / best_ms / 1e6:.0f} GB/s", flush=True)
     mk._tiles = default
 
 
@@ -68,29 +80,20 @@ def one_token_sweep() -> None:
     bandwidth = ceilings()["copy_bandwidth_GBps"] * 1e9
     config = MoondreamConfig.official("moondream3")
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
-    chosen = list(mk.ONE_TOKEN_TILES)
+    chosen = mk.ONE_TOKEN_TILES
 
-    def step(tiles, context=64) -> float:
-        mk.ONE_TOKEN_TILES = tuple(tiles)
+    def step(pair, context=64) -> float:
+        mk.ONE_TOKEN_TILES = tuple(pair)
         return decode_steps(model, [1], context, bandwidth, "graph-ahead")[0]["step_ms"]
 
-    grid = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
-            for n, k, w, s in itertools.product((16, 32, 64), (64, 128), (2, 4, 8), (2, 3, 4))]
+    grid = tile_grid((16, 32, 64), (64, 128), (2, 4, 8), (2, 3, 4))
     with torch.inference_mode():
         print(f"current: {step(chosen):.4f} ms", flush=True)
         for which in (0, 1):
-            results = []
-            for tiles in grid:
-                pair = list(chosen)
-                pair[which] = tiles
-                try:
-                    results.append((step(pair), tiles))
-                except Exception:  # (tiles past the shared memory)
-                    continue
-            results.sort(key=lambda r: r[0])
+            results = ranked(step, chosen, which, grid)
             for ms, tiles in results[:4]:
                 print(f"{'up' if which == 0 else 'down'} {ms:.4f} ms {tiles}", flush=True)
-            chosen[which] = results[0][1]
+            chosen = (results[0][1], chosen[1]) if which == 0 else (chosen[0], results[0][1])
         print(f"best pair: {step(chosen):.4f} ms at context 64, {step(chosen, 800):.4f} at 800: {chosen}", flush=True)
 
 

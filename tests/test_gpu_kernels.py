@@ -603,6 +603,15 @@ def test_step_inputs_pack_the_rows_in_segments_of_one_adapter(tiny_model):
     assert inputs.segments(4)[1].tolist() == [0] * 5
 
 
+def random_moe(gen: torch.Generator, dim: int, inner: int, experts: int, top_k: int):
+    """A MoE layer of random weights (router, gated fc1, fc2) in Moondream 3's layout."""
+    from kestrel_backend.model.weights import Linear, MoE
+
+    return MoE(Linear(torch.randn(experts, dim, generator=gen), torch.randn(experts, generator=gen)),
+               torch.randn(experts, 2 * inner, dim, generator=gen) / dim ** 0.5,
+               torch.randn(experts, dim, inner, generator=gen) / inner ** 0.5, top_k)
+
+
 @pytest.mark.parametrize("tokens, top_k", [(1, 3), (5, 3), (40, 2), (64, 8), (300, 3), (1400, 3)])
 def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, monkeypatch):
     """Moondream 3's grouped expert kernels (pairs grouped by expert, each expert's weights read once a tile of its
@@ -611,7 +620,6 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, monkeypatch):
     expert; at 1 the bf16 tiles of one token; up to 16 tokens the router's logits come from its own kernel)
     against text.moe_mlp's loop."""
     from kestrel_backend.model.text import moe_mlp
-    from kestrel_backend.model.weights import Linear, MoE
     from kestrel_backend.runtime import moe_kernels as mk
 
     if tokens >= 300:  # the bf16 prefill tiles (the interpreter's float32 is exact, and has room for them)
@@ -621,11 +629,8 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, monkeypatch):
     if tokens == 1:
         monkeypatch.setattr(mk, "_tiles", lambda t, dtype: mk.ONE_TOKEN_TILES)
     gen = torch.Generator().manual_seed(3)
-    dim, inner, experts = 128, 128, 8
-    moe = MoE(Linear(torch.randn(experts, dim, generator=gen), torch.randn(experts, generator=gen)),
-              torch.randn(experts, 2 * inner, dim, generator=gen) / dim ** 0.5,
-              torch.randn(experts, dim, inner, generator=gen) / inner ** 0.5, top_k)
-    x = torch.randn(tokens, dim, generator=gen)
+    moe = random_moe(gen, dim=128, inner=128, experts=8, top_k=top_k)
+    x = torch.randn(tokens, 128, generator=gen)
     got = mk.moe_mlp_cuda(x, moe.router.weight, moe.router.bias, moe.fc1, moe.fc2, top_k)
     assert rel_err(got, moe_mlp(x, moe)) < 1e-5
 
@@ -635,17 +640,12 @@ def test_grouped_gemm_path_matches_the_per_expert_loop(tokens, top_k):
     """The long-prefill path (rows gathered in expert order, torch's grouped GEMM, the gated GELU and the weighted
     sum of each token's rows as kernels of their own) against text.moe_mlp's loop; experts with no rows included."""
     from kestrel_backend.model.text import moe_mlp
-    from kestrel_backend.model.weights import Linear, MoE
     from kestrel_backend.runtime import moe_kernels as mk
 
     gen = torch.Generator().manual_seed(8)
-    dim, inner, experts = 96, 80, 12
-    bias = torch.randn(experts, generator=gen)
-    bias[5] = -1e4  # (an expert no token chooses)
-    moe = MoE(Linear(torch.randn(experts, dim, generator=gen), bias),
-              torch.randn(experts, 2 * inner, dim, generator=gen) / dim ** 0.5,
-              torch.randn(experts, dim, inner, generator=gen) / inner ** 0.5, top_k)
-    x = torch.randn(tokens, dim, generator=gen)
+    moe = random_moe(gen, dim=96, inner=80, experts=12, top_k=top_k)
+    moe.router.bias[5] = -1e4  # (an expert no token chooses)
+    x = torch.randn(tokens, 96, generator=gen)
     gates, order, starts = mk.route_and_group(mk.router_logits(x, moe.router.weight, moe.router.bias), top_k, x.dtype)
     assert starts[5] == starts[6]
     got = mk._moe_mlp_grouped(x, gates, order, starts, moe.fc1, moe.fc2, top_k)
