@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# The official repositories (moondream3-preview is gated: HF_TOKEN must hold a token with access).
-MODELS = {"moondream2": "vikhyatk/moondream2", "moondream3-preview": "moondream/moondream3-preview"}
+# The official repositories (the Moondream 3 ones are gated: HF_TOKEN must hold a token with access).
+# moondream3.1-9B-A2B is a single model.safetensors in Kestrel's layout, its experts in FP8 (model/weights.py).
+MODELS = {"moondream2": "vikhyatk/moondream2", "moondream3-preview": "moondream/moondream3-preview",
+          "moondream3.1-9B-A2B": "moondream/moondream3.1-9B-A2B"}
 # Repositories whose tokenizer lives in a repository of its own.
-TOKENIZERS = {"moondream/moondream3-preview": "moondream/starmie-v1"}
+TOKENIZERS = {"moondream/moondream3-preview": "moondream/starmie-v1",
+              "moondream/moondream3.1-9B-A2B": "moondream/starmie-v1"}
 CHECKPOINT_PATTERNS = ["*.safetensors", "config.json", "tokenizer.json"]
 
 

@@ -9,7 +9,7 @@ import torch
 
 from . import region, text, vision
 from .config import MoondreamConfig
-from .weights import MoondreamWeights, load_weights
+from .weights import MoondreamWeights, checkpoint_family, load_weights
 
 
 class Moondream:
@@ -24,13 +24,14 @@ class Moondream:
     @classmethod
     def from_checkpoint(cls, folder: str | Path, dtype=torch.float32, device="cpu",
                         tokenizer_dir: str | Path | None = None) -> "Moondream":
-        """A folder with config.json (optional: Moondream 2's official sizes), weights, and tokenizer.json
-        (optional; or in tokenizer_dir)."""
+        """A folder with config.json (optional: the official sizes of the family its tensors name), weights, and
+        tokenizer.json (optional; or in tokenizer_dir)."""
         from .tokenizer import load_tokenizer
 
         folder = Path(folder)
         config_path = folder / "config.json" if folder.is_dir() else folder.with_name("config.json")
-        config = MoondreamConfig.from_file(config_path) if config_path.exists() else MoondreamConfig()
+        config = MoondreamConfig.from_file(config_path) if config_path.exists() else \
+            MoondreamConfig.official(checkpoint_family(folder))
         weights = load_weights(folder, config, dtype=dtype, device=device)
         tokenizer_dir = tokenizer_dir or (folder if folder.is_dir() else folder.parent)
         return cls(config, weights, load_tokenizer(Path(tokenizer_dir)))

@@ -6,8 +6,12 @@ Legacy layout:  vision_encoder.encoder.model.visual.*, text_model.transformer.h.
 Moondream 3 (current layout) adds model.text.blocks.N.attn.tau.{alpha,wq,wv}; its MoE layers hold
 mlp.router.{weight,bias} and the experts' stacked mlp.fc1.weight [E, 2 * inner, dim] and mlp.fc2.weight
 [E, dim, inner] (no biases); its region decoders are single Linears after model.region.ln.
-Both are normalised to the current names (without "model."), checked against the shapes the
-config implies, and turned into plain tensors grouped in small dataclasses.
+Moondream 3 in the legacy layout (Kestrel's checkpoints: moondream3-preview's model_fp8.pt, moondream3.1's
+model.safetensors) names its MoE tensors text_model.transformer.h.N.{gate, mlp.experts, mlp.output_experts}, holds
+the experts in FP8 (e4m3) with a scale per output row (h.N.moe_quant.{up_scale, down_scale}: weight = fp8 * scale),
+and tau as h.N.tau_alpha with h.N.tau_wqwv (or tau_wq and tau_wv).
+Both are normalised to the current names (without "model."), FP8 experts dequantised, checked against the shapes
+the config implies, and turned into plain tensors grouped in small dataclasses.
 """
 
 from __future__ import annotations
@@ -204,10 +208,19 @@ _LEGACY_PREFIXES = [
     ("region_model.coordinate_decoder.", "region.coord_decoder."),
     ("region_model.size_encoder.", "region.size_encoder."),
     ("region_model.size_decoder.", "region.size_decoder."),
+    ("region_model.coordinate_head.", "region.coord_decoder."),  # (Moondream 3: single Linears after region.ln)
+    ("region_model.size_head.", "region.size_decoder."),
+    ("region_model.ln.", "region.ln."),
 ]
 _LEGACY_VISION_BLOCK = re.compile(re.escape(_LEGACY_VISUAL) + r"blocks\.(\d+)\.(.+)")
 _LEGACY_TEXT_BLOCK = re.compile(r"text_model\.transformer\.h\.(\d+)\.(.+)")
 _LEGACY_BLOCK_PARTS = {"norm1.": "ln1.", "norm2.": "ln2.", "mixer.Wqkv.": "attn.qkv.", "mixer.out_proj.": "attn.proj."}
+_LEGACY_MOONDREAM3_PARTS = {  # text blocks only
+    "gate.": "mlp.router.", "mlp.experts.weight": "mlp.fc1.weight", "mlp.output_experts.weight": "mlp.fc2.weight",
+    "moe_quant.up_scale": "mlp.fc1.weight_scale", "moe_quant.down_scale": "mlp.fc2.weight_scale",
+    "tau_alpha": "attn.tau.alpha", "tau_wqwv": "attn.tau.wqwv", "tau_wq": "attn.tau.wq", "tau_wv": "attn.tau.wv",
+}
+FP8_SCALE = "_scale"  # <weight name> + this: an FP8 weight's scale per output row
 
 
 def _legacy_to_current(name: str) -> str | None:
@@ -215,9 +228,11 @@ def _legacy_to_current(name: str) -> str | None:
         m = pattern.fullmatch(name)
         if m:
             index, rest = m.groups()
-            for old, new in _LEGACY_BLOCK_PARTS.items():
+            parts = _LEGACY_BLOCK_PARTS | (_LEGACY_MOONDREAM3_PARTS if prefix == "text" else {})
+            for old, new in parts.items():
                 if rest.startswith(old):
                     rest = new + rest[len(old):]
+                    break
             return f"{prefix}.blocks.{index}.{rest}"
     for old, new in _LEGACY_PREFIXES:
         if name.startswith(old):
@@ -265,7 +280,11 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
             return load_file(str(path))
         if path.suffix in (".pt", ".pth", ".bin"):
-            tensors = torch.load(str(path), map_location="cpu", weights_only=True)
+            # mmap: a large file's pages are read as its tensors are used, and are not a second copy in memory
+            try:
+                tensors = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # (a file in torch's old format cannot be mapped)
+                tensors = torch.load(str(path), map_location="cpu", weights_only=True)
             if not isinstance(tensors, dict):
                 raise CheckpointError(f"{path}: expected a dict of tensors")
             return tensors
@@ -317,9 +336,33 @@ def _dequantize_state(state: dict[str, torch.Tensor], expected: dict, config: Mo
             state[base] = dequantize(parts["packed"], parts["scale"], parts["zero_point"], shape)
 
 
-def load_state(path: str | Path, config: MoondreamConfig, keep_packed: bool = False) -> dict[str, torch.Tensor]:
+def _dequantize_fp8(state: dict[str, torch.Tensor], source: str, dtype: torch.dtype) -> None:
+    """Replace every FP8 weight and its scale per output row by weight * scale in dtype, one tensor at a time."""
+    for name in [n for n, t in state.items() if t.dtype == torch.float8_e4m3fn]:
+        scale = state.pop(name + FP8_SCALE, None)
+        if scale is None:
+            raise CheckpointError(f"{source}: tensor '{name}' is FP8 but has no scale ('{name}{FP8_SCALE}', "
+                                  "moe_quant.up_scale or down_scale in the checkpoint)")
+        weight = state[name]
+        if scale.numel() != weight.shape[0] * weight.shape[1]:
+            raise CheckpointError(f"{source}: tensor '{name}{FP8_SCALE}' has shape {tuple(scale.shape)}, expected "
+                                  f"{tuple(weight.shape[:2])} (one scale a row of {tuple(weight.shape)})")
+        state[name] = (weight.float() * scale.float().reshape(*weight.shape[:2], 1)).to(dtype)
+    for name in [n for n in state if n.endswith(FP8_SCALE)]:
+        raise CheckpointError(f"{source}: unexpected tensor '{name}' (a scale whose weight is not FP8)")
+
+
+def _split_tau(state: dict[str, torch.Tensor]) -> None:
+    """tau's query and value matrices stored as one (wqwv: wq's rows, then wv's) -> attn.tau.wq and wv."""
+    for name in [n for n in state if n.endswith(".attn.tau.wqwv")]:
+        wq, wv = state.pop(name).chunk(2)
+        state[name.removesuffix("wqwv") + "wq"], state[name.removesuffix("wqwv") + "wv"] = wq, wv
+
+
+def load_state(path: str | Path, config: MoondreamConfig, keep_packed: bool = False,
+               dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Read, normalise and validate every tensor (4-bit ones dequantised, or with keep_packed the text blocks' kept
-    4-bit: PackedWeight); errors name the tensor and the file."""
+    4-bit: PackedWeight; FP8 ones dequantised to dtype); errors name the tensor and the file."""
     state: dict[str, torch.Tensor] = {}
     files = checkpoint_files(path)
     for file in files:
@@ -327,6 +370,8 @@ def load_state(path: str | Path, config: MoondreamConfig, keep_packed: bool = Fa
             state[name] = tensor
     source = ", ".join(str(f) for f in files)
     expected = expected_shapes(config)
+    _dequantize_fp8(state, source, dtype)
+    _split_tau(state)
     _dequantize_state(state, expected, config, source, keep_packed)
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -417,7 +462,22 @@ def load_weights(path: str | Path, config: MoondreamConfig, dtype: torch.dtype =
     """On a GPU the text blocks' 4-bit weights stay 4-bit (the decode step reads them packed); elsewhere they are
     dequantised once."""
     keep_packed = torch.device(device).type == "cuda"
-    return build_weights(load_state(path, config, keep_packed), config, dtype, device)
+    return build_weights(load_state(path, config, keep_packed, dtype), config, dtype, device)
+
+
+def checkpoint_family(path: str | Path) -> str:
+    """moondream3 or moondream2, from the tensor names (for a checkpoint without config.json: Kestrel's files)."""
+    for file in checkpoint_files(path):
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), "pt") as f:
+                names = list(f.keys())
+        else:
+            names = list(read_tensors(file))
+        if any("tau" in name for name in names):
+            return "moondream3"
+    return "moondream2"
 
 
 def random_state(config: MoondreamConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
