@@ -7,6 +7,16 @@ from .packed import dense
 from .weights import LayerNorm, Linear, MLP
 
 
+def to_device(values, dtype, device) -> torch.Tensor:
+    """Host values (a list, or a CPU tensor) as a tensor on the device, the CPU not waiting for the device's queued
+    work: on a GPU through pinned memory (a copy from pageable memory waits for the stream to drain, and the GPU then
+    idles while the CPU prepares what it launches next)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
     return F.linear(x, dense(w.weight), w.bias)
 

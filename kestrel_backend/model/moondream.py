@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from . import region, text, vision
+from .layers import to_device
 from .config import MoondreamConfig
 from .weights import MoondreamWeights, checkpoint_family, load_weights
 
@@ -56,7 +57,7 @@ class Moondream:
 
     # --- text ---
     def embed_tokens(self, ids) -> torch.Tensor:
-        return text.embed_tokens(torch.as_tensor(ids, device=self.device, dtype=torch.long), self.weights.text)
+        return text.embed_tokens(to_device(ids, torch.long, self.device), self.weights.text)
 
     def embed_prompt(self, ids, overrides: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Token embeddings, with the rows that overrides names (a prompt index -> embedding) replaced."""

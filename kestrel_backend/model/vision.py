@@ -20,10 +20,18 @@ def crop_image(image: np.ndarray, config: VisionConfig) -> tuple[np.ndarray, tup
     return overlap_crops(image, config.crop_size, config.enc_patch_size, config.overlap_margin, config.max_crops)
 
 
-def normalise(crops: np.ndarray, device, dtype) -> torch.Tensor:
-    """[N, crop, crop, 3] uint8 -> [N, 3, crop, crop] in [-1, 1]."""
-    x = torch.from_numpy(crops).to(device).permute(0, 3, 1, 2).to(dtype)
+def normalise(crops: torch.Tensor, dtype) -> torch.Tensor:
+    """[N, crop, crop, 3] uint8 (on the device) -> [N, 3, crop, crop] in [-1, 1]."""
+    x = crops.permute(0, 3, 1, 2).to(dtype)
     return x.div_(255.0).sub_(0.5).div_(0.5)
+
+
+def upload(crops: list, device) -> torch.Tensor:
+    """Several images' crops (uint8 arrays, or tensors on the device already: runtime.crop_staging) as one uint8
+    tensor on the device."""
+    if not any(isinstance(c, torch.Tensor) for c in crops):
+        return torch.from_numpy(np.concatenate(crops)).to(device)
+    return torch.cat([torch.as_tensor(c).to(device) for c in crops])
 
 
 def patchify(x: torch.Tensor, patch: int, width: int) -> torch.Tensor:
@@ -101,7 +109,7 @@ def encode_images(cropped: list[tuple[np.ndarray, tuple[int, int]]], w: VisionWe
     encode(crops) -> features: encode_crops unless given (the engine's CUDA graphs, whose output is a
     static buffer: each batch's is copied out before the next one runs)."""
     encode = encode or (lambda crops: encode_crops(crops, w, config))
-    x = normalise(np.concatenate([crops for crops, _ in cropped]), w.pos_emb.device, w.pos_emb.dtype)
+    x = normalise(upload([crops for crops, _ in cropped], w.pos_emb.device), w.pos_emb.dtype)
     features = x.new_empty(len(x), config.grid * config.grid, config.enc_dim)
     for i in range(0, len(x), CROPS_PER_BATCH):
         features[i:i + CROPS_PER_BATCH] = encode(x[i:i + CROPS_PER_BATCH])

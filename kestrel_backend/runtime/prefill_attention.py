@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..model.layers import to_device
 from .attention import SeqSlice, TorchPagedAttention
 from . import decode_kernels
 from .kv_cache import PagedKVCache
@@ -142,7 +143,7 @@ class PrefillAttention(TorchPagedAttention):
 
     def plan(self, batch: list[SeqSlice]) -> None:
         self._plan_writes(batch)
-        self._work = torch.tensor(work_items(batch), dtype=torch.int32).to(batch[0].positions.device)
+        self._work = to_device(work_items(batch), torch.int32, batch[0].positions.device)
         self._context = context_slots(self.cache, batch)
 
     def __call__(self, layer: int, q, k, v):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.layers import to_device
 from ..model.moondream import Moondream
 from . import prefill_attention as pa
 from .attention import SeqSlice
@@ -101,8 +102,8 @@ class PrefillGraphs:
         work = torch.zeros(pa.WORK_FIELDS * _work_items(rows, seqs), dtype=torch.int32)  # zeros: empty items
         items = pa.work_items(slices)
         work[:len(items)] = torch.tensor(items, dtype=torch.int32)
-        self.work[:work.numel()].copy_(work)
-        self.last[:len(slices)].copy_(torch.tensor([s.end - 1 for s in slices]))
+        self.work[:work.numel()].copy_(to_device(work, torch.int32, self.work.device))
+        self.last[:len(slices)].copy_(to_device([s.end - 1 for s in slices], self.last.dtype, self.last.device))
         self.last[len(slices):seqs].zero_()
         if self.x.is_cuda:
             self._graph(rows, seqs).replay()

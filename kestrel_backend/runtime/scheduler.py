@@ -64,6 +64,15 @@ def make_crop_encoder(model: Moondream):
     return CropEncoderGraphs(model)
 
 
+def make_crop_staging(model: Moondream):
+    """Crops copied to the GPU ahead of their encode (runtime.crop_staging) on a GPU; None elsewhere."""
+    if model.device.type != "cuda":
+        return None
+    from .crop_staging import CropStaging
+
+    return CropStaging(model)
+
+
 def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int, adapters=None):
     """CUDA graphs of the fused Triton decode kernels on a GPU; None (torch attention) elsewhere."""
     if model.device.type != "cuda":
@@ -85,6 +94,7 @@ class Scheduler:
         self.decoder = decoder
         self.prefill_graphs = prefill_graphs  # graphs for prefill steps (make_prefill_graphs), or None
         self.crop_encoder = crop_encoder  # graphs of the vision encoder, or None (eager)
+        self.crop_staging = make_crop_staging(model)
         self.adapters = adapters  # the AdapterRegistry that sequences' adapters are pinned in
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -141,12 +151,12 @@ class Scheduler:
     def step(self) -> None:
         for seq in [s for s in list(self.waiting) + self.running if s.delivery.cancelled.is_set()]:
             self._end(seq, error=RequestCancelled("request cancelled"))
+        t0 = time.perf_counter()  # (a new sequence's prefill time counts its image's encode, launched in _admit)
         new = self._admit()
         decoding = [s for s in self.running if s not in new]
         batch = new + decoding
         if not batch:
             return
-        t0 = time.perf_counter()
         try:
             with torch.inference_mode():
                 if self.fault_injector:
@@ -158,6 +168,8 @@ class Scheduler:
                 t1 = time.perf_counter()
                 if decoding:  # one input per running sequence (next step's alike unless sequences join now)
                     outputs.append((decoding, *self._decode(decoding, launch_ahead=not new)))
+                if self.crop_staging is not None:  # (the CPU's share while the GPU runs this step)
+                    self.crop_staging.stage(self.waiting, self.images)
                 t2 = time.perf_counter()
                 chosen = [choose_tokens(logits, [seq.generation.choice() for seq in seqs], greedy)
                           for seqs, logits, _, greedy in outputs]
@@ -223,7 +235,7 @@ class Scheduler:
                 pending.setdefault(seq.image_key, []).append(seq)
         if pending:
             try:
-                embeddings = self.model.encode_cropped([group[0].cropped for group in pending.values()],
+                embeddings = self.model.encode_cropped([self._crops(key, group[0]) for key, group in pending.items()],
                                                        self.crop_encoder)
             except Exception as e:
                 log.exception("image encoding failed")
@@ -242,6 +254,11 @@ class Scheduler:
                 seq.prefix_len = emb.shape[0] + 1
                 seq.next_input = self.model.image_prefix(emb)
         return seqs
+
+    def _crops(self, key: str, seq: Sequence):
+        """(crops, tiling) of a sequence's image to encode: its crops staged on the GPU if they are."""
+        staged = self.crop_staging.take(key) if self.crop_staging is not None else None
+        return seq.cropped if staged is None else (staged, seq.cropped[1])
 
     def _inputs(self, seqs: list[Sequence]) -> torch.Tensor:
         """This step's input embedding of each running sequence: a token's, or a region head's."""
