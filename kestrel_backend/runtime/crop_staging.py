@@ -43,17 +43,11 @@ class CropStaging:
             return
         if self._copied is not None:
             self._copied.synchronize()  # (done already: the step that launched it has read its tokens since)
-        start = 0
-        for crops in picked.values():
-            self._pinned[start:start + len(crops)].copy_(torch.from_numpy(crops))
-            start += len(crops)
+        torch.cat([torch.from_numpy(crops) for crops in picked.values()], out=self._pinned[:n])
         on_gpu = self._pinned[:n].to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        start = 0
-        for key, crops in picked.items():
-            self._staged[key] = on_gpu[start:start + len(crops)]
-            start += len(crops)
+        self._staged.update(zip(picked, on_gpu.split([len(crops) for crops in picked.values()])))
 
     def take(self, key: str) -> torch.Tensor | None:
         """The image's crops on the GPU if staged (once), else None."""
