@@ -17,6 +17,7 @@ decode steps' bytes (weights once a step at full batches, and each step's KV rea
 
     python benchmarks/kestrel_method.py [--model moondream2|moondream3] [--batch-sizes 1 4 16 64] [--images 256]
         [--triton] [--out out.json]
+        [--max-step-tokens 16384 0]         # step budgets, each on a burst of its own (0: none)
         [--kestrel-rows side_by_side.json]   # Kestrel measured on the same machine: {"direct": {"64": [req/s, p50]}, ...}
     python benchmarks/kestrel_method.py --checkpoint tests/fixtures/md2-tiny --images 4 --batch-sizes 2  (CPU smoke)
 """
@@ -120,9 +121,10 @@ def summarize(mode: str, batch: int, pairs, bodies: list[dict], wall: float) -> 
             "output_tokens": sum(b["metrics"]["output_tokens"] for b in bodies)}
 
 
-def run_engine(model, batch: int, mode: str, pairs, warmup) -> dict:
+def run_engine(model, batch: int, mode: str, pairs, warmup, max_step_tokens: int) -> dict:
     settings = {"temperature": 0, "max_tokens": OUTPUT_TOKENS[mode]}
-    engine = InferenceEngine(RuntimeConfig(device=str(model.device), max_batch_size=batch, max_queue=1 << 16), model)
+    engine = InferenceEngine(RuntimeConfig(device=str(model.device), max_batch_size=batch, max_queue=1 << 16,
+                                           max_step_tokens=max_step_tokens), model)
     try:
         async def burst(items):
             return await asyncio.gather(*[engine.query(image, q, settings=settings) for image, q in items])
@@ -133,7 +135,8 @@ def run_engine(model, batch: int, mode: str, pairs, warmup) -> dict:
         wall = time.perf_counter() - t0
     finally:
         engine.shutdown()
-    return summarize(mode, batch, pairs, [{"metrics": r.metrics} for r in results], wall)
+    return {**summarize(mode, batch, pairs, [{"metrics": r.metrics} for r in results], wall),
+            "max_step_tokens": max_step_tokens}
 
 
 def burst_part(url: str, items, max_tokens: int) -> dict:
@@ -208,6 +211,8 @@ def main() -> int:
     p.add_argument("--client-processes", type=int, default=4)
     p.add_argument("--grpc-port", type=int, default=8201)
     p.add_argument("--kestrel-rows", type=Path, help="Kestrel measured on this machine, to print beside ours")
+    p.add_argument("--max-step-tokens", type=int, nargs="+", default=[RuntimeConfig.max_step_tokens],
+                   help="the engine's step budgets to run, each in turn on a burst of its own (0: none)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     import torch
@@ -239,9 +244,9 @@ def main() -> int:
     kestrel_side = json.loads(args.kestrel_rows.read_text()) if args.kestrel_rows else {}
     rows = []
     for batch in args.batch_sizes:
-        for mode in args.modes:
+        for mode, budget in [(mode, budget) for mode in args.modes for budget in args.max_step_tokens]:
             pairs = fresh_burst()
-            row = run_engine(model, batch, mode, pairs, warmup)
+            row = run_engine(model, batch, mode, pairs, warmup, budget)
             if ceilings:
                 tokens = [len(model.tokenizer.encode(q).ids) for _, q in pairs]
                 row["floor_req_per_s"] = len(pairs) / floor_s(model.config, pairs, tokens, OUTPUT_TOKENS[mode],
@@ -252,14 +257,16 @@ def main() -> int:
             rows += run_triton(batch, args.modes, fresh_burst, warmup, args.client_processes, args.checkpoint,
                                args.grpc_port)
             print(json.dumps(rows[-len(args.modes):]), flush=True)
-    print("\n| mode | batch | req/s | engine P50 ms | engine TTFT p50 ms | floor req/s | Kestrel published req/s (P50) "
-          "| ours / published | Kestrel here req/s (P50) | ours / here |\n" + "| --- " * 10 + "|")
+    print("\n| mode | batch | step budget | req/s | engine P50 ms | engine TTFT p50 ms | floor req/s "
+          "| Kestrel published req/s (P50) | ours / published | Kestrel here req/s (P50) | ours / here |\n"
+          + "| --- " * 11 + "|")
     for r in rows:
         mode = r["mode"].split()[-1]
         pub = KESTREL_PUBLISHED[args.model][mode].get(r["batch"])
         here = kestrel_side.get(mode, {}).get(str(r["batch"]))
         r["kestrel_published"], r["kestrel_here"] = pub, here
-        print(f"| {r['mode']} | {r['batch']} | {r['req_per_s']:.1f} | {r['engine_p50_ms']:.0f} | "
+        print(f"| {r['mode']} | {r['batch']} | {r.get('max_step_tokens', '')} | {r['req_per_s']:.1f} | "
+              f"{r['engine_p50_ms']:.0f} | "
               f"{r['engine_ttft_p50_ms']:.0f} | {r.get('floor_req_per_s', float('nan')):.0f} | {_cell(pub)} | "
               f"{_ratio(r['req_per_s'], pub)} | {_cell(here)} | {_ratio(r['req_per_s'], here)} |")
     if args.out:

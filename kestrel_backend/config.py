@@ -26,6 +26,8 @@ class RuntimeConfig:
     device: str = ""  # cuda or cpu; empty: cuda when available
     dtype: str = ""  # empty: bfloat16 on cuda, float32 on cpu
     max_batch_size: int = 32
+    max_step_tokens: int = 16384  # new work a step takes on: prompt tokens to prefill, an image to encode counted as
+    # the text tokens of equal matmul work (0: no limit; a request larger than this runs in a step of its own)
     max_queue: int = 256
     page_size: int = 16
     kv_pages: int = 0  # 0: enough for max_batch_size full contexts
@@ -47,6 +49,7 @@ class RuntimeConfig:
     ENV = {
         "model_path": "KESTREL_MODEL_PATH", "model": "KESTREL_MODEL", "revision": "KESTREL_REVISION",
         "device": "KESTREL_DEVICE", "dtype": "KESTREL_DTYPE", "max_batch_size": "KESTREL_MAX_BATCH_SIZE",
+        "max_step_tokens": "KESTREL_MAX_STEP_TOKENS",
         "max_queue": "KESTREL_MAX_QUEUE", "page_size": "KESTREL_PAGE_SIZE", "kv_pages": "KESTREL_KV_PAGES",
         "max_context": "KESTREL_MAX_CONTEXT", "image_cache_size": "KESTREL_IMAGE_CACHE_SIZE",
         "prefix_cache_size": "KESTREL_PREFIX_CACHE_SIZE",
@@ -93,7 +96,7 @@ class RuntimeConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.ENV[name]} must be at least 1, got {getattr(self, name)}")
         for name in ("kv_pages", "max_context", "prefix_cache_size", "chaos_fail_after_steps", "image_workers",
-                     "drain_timeout_s"):
+                     "drain_timeout_s", "max_step_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.ENV[name]} must be 0 or positive, got {getattr(self, name)}")
         if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):

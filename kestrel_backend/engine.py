@@ -96,7 +96,7 @@ class InferenceEngine:
         if crop_encoder is not None:
             crop_encoder.warmup()
         self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, prefill_graphs,
-                                   config.prefix_cache_size, crop_encoder, self.adapters)
+                                   config.prefix_cache_size, crop_encoder, self.adapters, config.max_step_tokens)
         if refiner_head is not None:
             self.scheduler.segment_refiner = SegmentRefiner(model, refiner_head, self._decoders)
         if config.chaos_fail_after_steps:

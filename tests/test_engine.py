@@ -18,7 +18,7 @@ from kestrel_backend.skills.generation import Generation
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
     eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
-                                               max_batch_size=16, max_queue=64,
+                                               max_batch_size=16, max_queue=64, max_step_tokens=0,
                                                adapter_dir=str(tiny_dir / "adapters")))
     yield eng
     eng.shutdown()
@@ -271,6 +271,41 @@ def test_questions_arriving_together_on_a_new_image_prefill_its_prefix_once(tiny
         results = asyncio.run(together())
         assert [r.output for r in results] == alone
         assert eng.stats()["prefix_hits"] == 1 and eng.stats()["images_encoded"] == 1
+        assert eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
+def test_a_step_takes_on_new_work_within_its_budget(tiny_dir, golden):
+    """KESTREL_MAX_STEP_TOKENS: golden requests on three new images, all submitted at once, are admitted a few a
+    step. With room for one image's encode and prefill a step, no encode goes past the budget (the images are
+    encoded over several steps, some ahead of their admission) while requests whose image is encoded join
+    together; with a budget of one token, one request a step (each larger than the budget, it still runs). The
+    answers stay the golden ones."""
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               max_batch_size=16, adapter_dir=str(tiny_dir / "adapters")))
+    s = eng.scheduler
+    config = eng.model.config
+    one_image = config.text.prefix_attn + 64 + (config.vision.max_crops + 1) * config.crop_cost_in_tokens
+    encoded, admitted = [], []
+    encode, attach = eng.model.encode_cropped, s._attach_images
+    eng.model.encode_cropped = lambda cropped, *a: encoded.append(cropped) or encode(cropped, *a)
+    s._attach_images = lambda seqs: admitted.append(len(seqs)) or attach(seqs)
+
+    async def together():
+        return await asyncio.gather(*[parity.submit_case(eng, tiny_dir, c) for c in golden])
+
+    try:
+        for budget in (one_image, 1):
+            s.max_step_tokens = budget
+            encoded.clear(), admitted.clear()
+            for case, result in zip(golden, asyncio.run(together())):
+                _check_against_golden(eng, case, result)
+            if budget == one_image:
+                assert sum(len(images) for images in encoded) == 3 and len(encoded) > 1 and max(admitted) > 1
+                assert all(sum(len(crops) for crops, _ in images) * s.crop_cost < budget for images in encoded)
+            else:
+                assert encoded == [] and admitted.count(1) == len(golden) and max(admitted) == 1
         assert eng.no_request_holds_pages()
     finally:
         eng.shutdown()

@@ -153,6 +153,20 @@ class MoondreamConfig:
     def is_moondream3(self) -> bool:
         return self.text.moe is not None
 
+    @property
+    def crop_cost_in_tokens(self) -> int:
+        """Encoding one crop as the number of text tokens whose prefill has the same matmul work (the engine's
+        step budget counts both): Moondream 2 about 250, Moondream 3 about 200 (only a token's 8 experts)."""
+        t, v = self.text, self.vision
+        vision = v.grid * v.grid * v.enc_n_layers * (4 * v.enc_dim ** 2 + 2 * v.enc_dim * v.enc_ff_dim)
+        attention = 4 * t.dim * t.dim * t.n_layers
+        if t.moe is None:
+            mlp = 2 * t.dim * t.ff_dim * t.n_layers
+        else:  # (an expert's fc1 gives the GELU and gate halves)
+            mlp = 2 * t.dim * t.ff_dim * t.moe.start_layer + (t.n_layers - t.moe.start_layer) * (
+                t.moe.n_experts_per_tok * 3 * t.dim * t.moe.expert_inner_dim)
+        return round(vision / (attention + mlp))
+
     def validate(self) -> None:
         t, v = self.text, self.vision
         if t.dim % t.n_heads or t.n_heads % t.n_kv_heads:

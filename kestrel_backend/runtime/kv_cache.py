@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ..model.config import TextConfig
+from ..model.layers import to_device
 
 
 class OutOfPages(RuntimeError):
@@ -72,5 +73,5 @@ class PagedKVCache:
 
     def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache rows for these positions of a sequence."""
-        table = self.table_tensors[seq_id].to(positions.device, non_blocking=True)
+        table = to_device(self.table_tensors[seq_id], torch.int32, positions.device)
         return table[positions // self.page_size].long() * self.page_size + positions % self.page_size

@@ -11,6 +11,7 @@ as soon as they finish, fail or are cancelled; their KV pages go back to the fre
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
@@ -18,12 +19,14 @@ from collections import deque
 import torch
 
 from ..errors import EngineError, RequestCancelled
+from ..model.layers import to_device
 from ..model.lora import LoraRows
 from ..model.moondream import Moondream
 from ..skills.generation import ReasoningThenAnswer, RegionGeneration, SegmentGeneration
-from ..skills.sampling import choose_tokens
+from ..skills.sampling import launch_choice
 from ..skills.segment import coarse_segment
 from .attention import SeqSlice, TorchPagedAttention
+from .encode_clock import EncodeClock
 from .image_cache import ImageCache
 from .kv_cache import PagedKVCache
 from .prefix_cache import PrefixCache
@@ -84,12 +87,16 @@ def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_cont
 
 class Scheduler:
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
-                 decoder=None, prefill_graphs=None, prefix_cache_size: int = 0, crop_encoder=None, adapters=None):
+                 decoder=None, prefill_graphs=None, prefix_cache_size: int = 0, crop_encoder=None, adapters=None,
+                 max_step_tokens: int = 0):
         self.model = model
         self.cache = cache
         self.images = image_cache
         self.prefixes = PrefixCache(cache, prefix_cache_size)
         self.max_batch_size = max_batch_size
+        self.max_step_tokens = max_step_tokens  # the budget of _admit (0: none)
+        self.crop_cost = model.config.crop_cost_in_tokens
+        self._spent = 0  # of the budget, by this step's admissions
         self.attention = make_attention(cache)
         self.decoder = decoder
         self.prefill_graphs = prefill_graphs  # graphs for prefill steps (make_prefill_graphs), or None
@@ -168,14 +175,14 @@ class Scheduler:
                 t1 = time.perf_counter()
                 if decoding:  # one input per running sequence (next step's alike unless sequences join now)
                     outputs.append((decoding, *self._decode(decoding, launch_ahead=not new)))
-                if self.crop_staging is not None:  # (the CPU's share while the GPU runs this step)
-                    self.crop_staging.stage(self.waiting, self.images)
+                picks = [launch_choice(logits, [seq.generation.choice() for seq in seqs], greedy)
+                         for seqs, logits, _, greedy in outputs]
                 t2 = time.perf_counter()
-                chosen = [choose_tokens(logits, [seq.generation.choice() for seq in seqs], greedy)
-                          for seqs, logits, _, greedy in outputs]
+                self._prepare_next_step()  # (on the GPU after this step's work, while the tokens are read)
+                chosen = [tokens.tolist() for tokens in picks]
                 t3 = time.perf_counter()
-                for seq in new:  # until its first token is chosen: the GPU runs the prefill asynchronously
-                    seq.prefill_ms = (t3 - t0) * 1000
+                for seq in new:  # until its first token is chosen (and its image's encode, if done ahead)
+                    seq.prefill_ms = (t3 - t0) * 1000 + (seq.encoded_ahead.ms() if seq.encoded_ahead else 0.0)
                 self._chosen = {}
                 for (seqs, _, hidden, _), tokens in zip(outputs, chosen):
                     for seq, token, h in zip(seqs, tokens, hidden):
@@ -194,22 +201,31 @@ class Scheduler:
         self.steps += 1
 
     def _admit(self) -> list[Sequence]:
-        """Waiting sequences into the batch, in arrival order, while slots and pages last. A sequence whose image
-        prefix another one prefills in this step waits for the next step, which reads that prefix from the prefix
-        cache (questions on one image arrive together: admitted together, each would prefill the 730 tokens)."""
-        new, deferred, prefilling = [], [], set()
+        """Waiting sequences into the batch, in arrival order, while slots, pages and the step's budget last. A
+        sequence whose image prefix another one prefills in this step waits for the next step, which reads that
+        prefix from the prefix cache (questions on one image arrive together: admitted together, each would
+        prefill the 730 tokens). The budget (max_step_tokens) keeps a step short while requests pile up: the
+        running sequences' next tokens wait for the whole step's encodes and prefills."""
+        new, deferred, prefilling, encoding = [], [], set(), set()
+        spent, ahead = 0, self._encodes_ahead()
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             shared = self.prefixes.lookup(seq.prefix_key) if seq.image_key is not None else []
-            if not shared and seq.prefix_key in prefilling:
-                deferred.append(self.waiting.popleft())
+            if not shared and seq.prefix_key in prefilling or ahead and self._needs_encode(seq):
+                deferred.append(self.waiting.popleft())  # (its image is encoded ahead in this step: see below)
                 continue
+            cost = self._prefill_cost(seq, len(shared), encoding)
+            if new and self.max_step_tokens and spent + cost > self.max_step_tokens:
+                break  # (a request larger than the budget still runs: in a step of its own)
             need = self.cache.pages_for(seq.capacity) - len(shared)
             if need > self.cache.pages_free:
                 self.prefixes.reclaim(need, keep=seq.prefix_key)
                 if need > self.cache.pages_free:
                     break  # wait for pages; FIFO keeps big requests from starving
             self.waiting.popleft()
+            spent += cost
+            if seq.image_key is not None:
+                encoding.add(seq.image_key)
             self.cache.allocate(seq.id, seq.capacity, shared)
             seq.length = seq.cached_tokens = len(shared) * self.cache.page_size
             self.prefix_hits += bool(shared)
@@ -218,7 +234,26 @@ class Scheduler:
             self.running.append(seq)
             new.append(seq)
         self.waiting.extendleft(reversed(deferred))  # (at the head again, in their order)
+        self._spent = spent
         return self._attach_images(new)
+
+    def _encodes_ahead(self) -> bool:
+        """Whether new images are encoded ahead, after a step's work (_encode_ahead), rather than in the step
+        that admits their sequences: with a step budget, and sequences running (whose steps the encode can
+        follow while the engine thread reads their tokens; an idle engine encodes at once)."""
+        return bool(self.max_step_tokens and self.running)
+
+    def _needs_encode(self, seq: Sequence) -> bool:
+        return seq.image_key is not None and seq.cropped is not None and seq.image_key not in self.images
+
+    def _prefill_cost(self, seq: Sequence, shared_pages: int, encoding: set[str]) -> int:
+        """The work admitting seq adds to this step, in prompt tokens: those its prefill writes (an image prefix
+        from the prefix cache is not written again), and its image's crops if this step encodes them."""
+        prefix = self.model.config.text.prefix_attn if seq.image_key is not None else 0
+        tokens = max(prefix + len(seq.token_ids) - shared_pages * self.cache.page_size, 1)
+        if self._needs_encode(seq) and seq.image_key not in encoding:
+            tokens += len(seq.cropped[0]) * self.crop_cost
+        return tokens
 
     def _keep_prefixes(self, prefilled: list[Sequence]) -> None:
         """Offer the image prefixes just written to the prefix cache (in stream order, later steps read them
@@ -233,20 +268,8 @@ class Scheduler:
         for seq in seqs:
             if seq.image_key is not None and seq.image_key not in self.images:
                 pending.setdefault(seq.image_key, []).append(seq)
-        if pending:
-            try:
-                embeddings = self.model.encode_cropped([self._crops(key, group[0]) for key, group in pending.items()],
-                                                       self.crop_encoder)
-            except Exception as e:
-                log.exception("image encoding failed")
-                failed = [seq for group in pending.values() for seq in group]
-                for seq in failed:
-                    self._end(seq, error=EngineError(f"image encoding failed: {type(e).__name__}: {e}"))
-                seqs = [seq for seq in seqs if seq not in failed]
-            else:
-                for key, emb in zip(pending, embeddings):
-                    self.images.put(key, emb)
-                self.images_encoded += len(pending)
+        if pending and not self._encode(pending):
+            seqs = [seq for seq in seqs if seq.image_key not in pending]
         for seq in seqs:
             if seq.image_key is not None:
                 emb = self.images.get(seq.image_key)
@@ -254,6 +277,59 @@ class Scheduler:
                 seq.prefix_len = emb.shape[0] + 1
                 seq.next_input = self.model.image_prefix(emb)
         return seqs
+
+    def _encode(self, pending: dict[str, list[Sequence]]) -> bool:
+        """Encode the images of pending (image key -> the sequences that need it) as one batch into the image
+        cache. On failure, end those sequences (and only them) with the error: -> False."""
+        try:
+            embeddings = self.model.encode_cropped([self._crops(key, group[0]) for key, group in pending.items()],
+                                                   self.crop_encoder)
+        except Exception as e:
+            log.exception("image encoding failed")
+            for seq in [seq for group in pending.values() for seq in group]:
+                self._end(seq, error=EngineError(f"image encoding failed: {type(e).__name__}: {e}"))
+            return False
+        for key, emb in zip(pending, embeddings):
+            self.images.put(key, emb)
+        self.images_encoded += len(pending)
+        return True
+
+    def _prepare_next_step(self) -> None:
+        """The GPU's share of the next step, launched behind this step's work so that it runs while the engine
+        thread reads this step's tokens, streams them and admits: the images of the sequences the next step
+        admits encoded, and later images' crops copied in. A failure here ends no other request."""
+        if self._encodes_ahead():
+            self._encode_ahead()
+        if self.crop_staging is not None:
+            try:
+                self.crop_staging.stage(self.waiting, self.images)
+            except Exception:  # (the encode copies the crops in itself)
+                log.exception("staging crops on the GPU failed")
+
+    def _encode_ahead(self) -> None:
+        """Encode the images of the sequences at the head of the queue, as many as the next step can admit (at
+        least two: a question or two on the next image), within what the step's budget has left; at least one
+        image, so that an image larger than the budget is still encoded. Each image's encode time is counted in
+        the prefill time of the sequence it was encoded for."""
+        room = self.max_step_tokens - self._spent
+        window = max(self.max_batch_size - len(self.running), 2)
+        pending: dict[str, list[Sequence]] = {}
+        for seq in itertools.islice(self.waiting, window):
+            if not self._needs_encode(seq) or seq.image_key in pending:
+                continue
+            cost = len(seq.cropped[0]) * self.crop_cost
+            if pending and cost > room:
+                break
+            room -= cost
+            pending[seq.image_key] = [seq]
+        if not pending:
+            return
+        pending.update({key: [seq for seq in self.waiting if seq.image_key == key] for key in pending})
+        clock = EncodeClock(self.model.device)
+        if self._encode(pending):
+            clock.stop(len(pending))
+            for group in pending.values():
+                group[0].encoded_ahead = clock
 
     def _crops(self, key: str, seq: Sequence):
         """(crops, tiling) of a sequence's image to encode: its crops staged on the GPU if they are."""
@@ -329,7 +405,7 @@ class Scheduler:
             return self.prefill_graphs.run(x, slices)
         self.attention.plan(slices)
         hidden = m.forward(x, torch.cat([s.positions for s in slices]), self.attention, lora)
-        last = hidden[[s.end - 1 for s in slices]]
+        last = hidden.index_select(0, to_device([s.end - 1 for s in slices], torch.long, hidden.device))
         return m.logits(last), last
 
     def _advance(self, seq: Sequence, token: int, hidden: torch.Tensor) -> None:

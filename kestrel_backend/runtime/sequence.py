@@ -137,6 +137,7 @@ class Sequence:
     t_first: float = 0.0
     t_end: float = 0.0  # when it left the batch
     prefill_ms: float = 0.0
+    encoded_ahead: object = None  # the EncodeClock of its image's encode, if done before it was admitted
 
     @property
     def prefix_key(self) -> str | None:

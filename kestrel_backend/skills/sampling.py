@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.layers import to_device
+
 _MASK64 = (1 << 63) - 1
 
 
@@ -36,27 +38,51 @@ def choose_tokens(logits: torch.Tensor, choices: list[Choice], greedy=None) -> l
     """logits [B, V] float32 (modified in place for bans) -> one token id per row (one host sync).
     greedy: each row's argmax with its bans applied (anything with tolist()), when the GPU step computed
     it with the logits, whose banned entries are -inf then; it saves the argmax when no row samples."""
+    return launch_choice(logits, choices, greedy).tolist()
+
+
+class TokensToHost:
+    """Token ids on their way from the GPU to pinned host memory: tolist() waits for the work launched before
+    them only, not for what the engine launches after (the next step's image encodes)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self._ready = None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            tokens = host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._tokens = tokens
+
+    def tolist(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._tokens.tolist()
+
+
+def launch_choice(logits: torch.Tensor, choices: list[Choice], greedy=None):
+    """choose_tokens without waiting for the GPU: -> the tokens as anything with tolist() (TokensToHost)."""
     sampled = [i for i, c in enumerate(choices) if c.temperature > 0]
     if greedy is not None and not sampled:
-        return greedy.tolist()
+        return greedy
+    dev = logits.device
     banned = [(row, token) for row, c in enumerate(choices) for token in c.banned]
     if banned and greedy is None:
-        rows, tokens = torch.tensor(banned, device=logits.device).T
-        logits[rows, tokens] = float("-inf")
+        rows, tokens = to_device(banned, torch.long, dev).T  # (a Python scalar as the value would be copied in
+        logits.index_put_((rows, tokens), torch.full((), float("-inf"), device=dev))  # and wait for the GPU)
     tokens = logits.argmax(dim=-1)
     if sampled:
-        dev = logits.device
-        idx = torch.tensor(sampled, device=dev)
-        temps = torch.tensor([choices[i].temperature for i in sampled], device=dev, dtype=torch.float32)
-        top_p = torch.tensor([choices[i].top_p for i in sampled], device=dev, dtype=torch.float32)
+        idx = to_device(sampled, torch.long, dev)
+        temps = to_device([choices[i].temperature for i in sampled], torch.float32, dev)
+        top_p = to_device([choices[i].top_p for i in sampled], torch.float32, dev)
         probs = torch.softmax(logits[idx] / temps[:, None], dim=-1)
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         # Keep the smallest head whose mass reaches top_p (the token that crosses it stays in).
-        sorted_probs[(torch.cumsum(sorted_probs, dim=-1) - sorted_probs) > top_p[:, None]] = 0.0
-        seeds = torch.tensor([choices[i].seed & _MASK64 for i in sampled], device=dev, dtype=torch.int64)
-        steps = torch.tensor([choices[i].step for i in sampled], device=dev, dtype=torch.int64)
+        sorted_probs.masked_fill_((torch.cumsum(sorted_probs, dim=-1) - sorted_probs) > top_p[:, None], 0.0)
+        seeds = to_device([choices[i].seed & _MASK64 for i in sampled], torch.int64, dev)
+        steps = to_device([choices[i].step for i in sampled], torch.int64, dev)
         noise = _uniform(seeds, steps, logits.shape[-1])
         # Exponential race: argmax p / E with E ~ Exp(1) draws a token with probability p.
         race = sorted_probs.double() / -torch.log(noise.gather(1, order))
         tokens[idx] = order.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
-    return tokens.tolist()
+    return TokensToHost(tokens)
