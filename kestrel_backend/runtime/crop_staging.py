@@ -42,7 +42,7 @@ class CropStaging:
         if not picked:
             return
         if self._copied is not None:
-            self._copied.synchronize()  # (done already: the step that launched it has read its tokens since)
+            self._copied.synchronize()  # (the pinned buffer's last copy, queued behind the last step's encode ahead)
         torch.cat([torch.from_numpy(crops) for crops in picked.values()], out=self._pinned[:n])
         on_gpu = self._pinned[:n].to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
