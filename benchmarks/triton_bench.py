@@ -3,6 +3,7 @@
     python benchmarks/triton_bench.py [--concurrency 1 4 16 64] [--max-tokens 64] [--out results.json]
     python benchmarks/triton_bench.py --checkpoint tests/fixtures/md2-tiny --concurrency 1 2  (CPU smoke run)
     python benchmarks/triton_bench.py --fresh-images  (every request a new image: no image or prefix cache hits)
+    python benchmarks/triton_bench.py --requests-per-stream 8  (longer levels: a closed loop's steady state)
 
 Writes a FULL-SIZE Moondream 2 checkpoint of random bf16 weights (with the fixture's tokenizer) to a
 temporary folder, starts tritonserver on model_repository/ with it (kestrel_backend.triton.local_server),
@@ -164,11 +165,11 @@ async def run_requests(url: str, images: list[bytes], concurrency: int, requests
         await client.close()
 
 
-def client_part(url: str, images: list[bytes], concurrency: int, max_tokens: int) -> dict:
-    """One client process's share of a level (2 x concurrency requests): the results, when it started and
-    ended (perf_counter: the same clock in every process of the machine), and the CPU time it took."""
+def client_part(url: str, images: list[bytes], concurrency: int, max_tokens: int, per_stream: int = 2) -> dict:
+    """One client process's share of a level (per_stream x concurrency requests): the results, when it started
+    and ended (perf_counter: the same clock in every process of the machine), and the CPU time it took."""
     cpu, t0 = time.process_time(), time.perf_counter()
-    results = asyncio.run(run_requests(url, images, concurrency, 2 * concurrency, max_tokens))
+    results = asyncio.run(run_requests(url, images, concurrency, per_stream * concurrency, max_tokens))
     return {"start": t0, "end": time.perf_counter(), "results": results, "cpu_s": time.process_time() - cpu}
 
 
@@ -187,19 +188,20 @@ def fresh_images(n: int, seed: int) -> list[bytes]:
 
 
 def level(url: str, images: list[bytes], concurrency: int, max_tokens: int, pool=None, processes: int = 1,
-          one_per_request: bool = False) -> dict:
-    """2 x concurrency queries, `concurrency` in flight, from this process or shared over the pool's client
+          one_per_request: bool = False, per_stream: int = 2) -> dict:
+    """per_stream x concurrency queries, `concurrency` in flight, from this process or shared over the pool's client
     processes. images: cycled over each client's requests, or with one_per_request, one for each request (each
     client process its own slice). client_cpu_share: the busiest client process's CPU time over the level's
     wall time (near 1, the client, not the server, sets the pace)."""
     n = 1 if pool is None else min(processes, concurrency)
     shares = [concurrency // n + (i < concurrency % n) for i in range(n)]
-    starts = [2 * sum(shares[:i]) for i in range(n)]
-    part_images = [images[s:s + 2 * c] if one_per_request else images for s, c in zip(starts, shares)]
+    starts = [per_stream * sum(shares[:i]) for i in range(n)]
+    part_images = [images[s:s + per_stream * c] if one_per_request else images for s, c in zip(starts, shares)]
     if pool is None:
-        parts = [client_part(url, part_images[0], concurrency, max_tokens)]
+        parts = [client_part(url, part_images[0], concurrency, max_tokens, per_stream)]
     else:
-        parts = list(pool.map(client_part, *zip(*[(url, imgs, c, max_tokens) for imgs, c in zip(part_images, shares)])))
+        parts = list(pool.map(client_part, *zip(*[(url, imgs, c, max_tokens, per_stream)
+                                                  for imgs, c in zip(part_images, shares)])))
     wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     results = [r for p in parts for r in p["results"]]
     row = throughput_row(concurrency, wall, [r["ttft_ms"] for r in results], sum(r["output_tokens"] for r in results))
@@ -220,15 +222,18 @@ def main() -> int:
                    "client processes (one asyncio client each)")
     p.add_argument("--fresh-images", action="store_true", help="every request brings an image the server has not "
                    "seen (decode, vision encoder and whole prefill each time), instead of 8 images over and over")
+    p.add_argument("--requests-per-stream", type=int, default=2, help="each level's requests a stream: more, "
+                   "for a closed loop's steady state rather than its first wave")
     args = p.parse_args()
+    per_stream = args.requests_per_stream
     cached, seen = (None if args.fresh_images else query_images()), 0
 
     def images_for(concurrency: int) -> list[bytes]:
         nonlocal seen
         if cached is not None:
             return cached
-        seen += 2 * concurrency
-        return fresh_images(2 * concurrency, seen - 2 * concurrency)
+        seen += per_stream * concurrency
+        return fresh_images(per_stream * concurrency, seen - per_stream * concurrency)
     ports = (args.grpc_port - 1, args.grpc_port, args.grpc_port + 1)  # http, grpc, metrics
     url, metrics_url = f"localhost:{ports[1]}", f"http://localhost:{ports[2]}/metrics"
     stopped = {}
@@ -241,12 +246,13 @@ def main() -> int:
         procs = args.client_processes
         # warm-up: graphs, and unless fresh images are asked for, the image and prefix caches
         fresh = args.fresh_images
-        level(url, images_for(max(args.concurrency)), max(args.concurrency), args.max_tokens, pool, procs, fresh)
+        level(url, images_for(max(args.concurrency)), max(args.concurrency), args.max_tokens, pool, procs, fresh,
+              per_stream)
         rows = []
         for c in args.concurrency:
             images = images_for(c)
             before = server_sums(metrics_url)
-            rows.append(level(url, images, c, args.max_tokens, pool, procs, fresh))
+            rows.append(level(url, images, c, args.max_tokens, pool, procs, fresh, per_stream))
             time.sleep(1.5)  # (Triton refreshes its metrics about every second)
             rows[-1].update(server_means(before, server_sums(metrics_url)))
     if stopped["killed"]:
@@ -259,7 +265,8 @@ def main() -> int:
               f"{r['triton_queue_mean_ms']:.1f} | {r['triton_input_mean_ms']:.1f} | {r['client_cpu_share']:.2f} |")
     if args.out:
         args.out.write_text(json.dumps({"ready_s": ready_s, "max_tokens": args.max_tokens, "fresh_images":
-                                        args.fresh_images, "client_processes": args.client_processes, "levels": rows},
+                                        args.fresh_images, "client_processes": args.client_processes,
+                                        "requests_per_stream": per_stream, "levels": rows},
                                        indent=1))
     return 0
 

@@ -27,6 +27,7 @@ from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.packed import PackedWeight  # noqa: E402
 from kestrel_backend.model.weights import MLP, LayerNorm, Linear, random_weights  # noqa: E402
+from kestrel_backend.runtime import w4a16_kernels  # noqa: E402
 from kestrel_backend.runtime.w4a16_kernels import w4_linear2_residual, w4_norm_linear  # noqa: E402
 
 GROUP = 128
@@ -116,10 +117,14 @@ def main() -> int:
     results["w4_steps"] = [decode_steps(model, [1], ctx, bw, "graph-ahead", weight_bytes=weight_bytes)[0]
                            for ctx in (64, 800)]
     results["w4_steps"] += decode_steps(model, [2, 16, 64], 64, bw, "graph", weight_bytes=weight_bytes)
+    w4a16_kernels.GROUP_SUMS = False  # the same steps with the reference's roundings in every kernel
+    results["w4_steps_rounded"] = decode_steps(model, [1], 64, bw, "graph-ahead", weight_bytes=weight_bytes)
+    results["w4_steps_rounded"] += decode_steps(model, [16, 64], 64, bw, "graph", weight_bytes=weight_bytes)
+    w4a16_kernels.GROUP_SUMS = True
     del model
     torch.cuda.empty_cache()
     results["golden_fp32"] = engine_golden_check("md2-tiny-4bit")
-    for key in ("bf16_steps", "w4_steps"):
+    for key in ("bf16_steps", "w4_steps", "w4_steps_rounded"):
         for r in results[key]:
             print(f"{key} batch {r['batch']} ctx {r['context']}: {r['step_ms']:.3f} ms, floor {r['floor_ms']:.3f} "
                   f"= {r['ratio']:.2f}x, {r['tokens_per_s']:.0f} tok/s")

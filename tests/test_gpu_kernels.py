@@ -99,8 +99,13 @@ def test_packed_weights_dequantize_to_the_references_values(n, k, group):
     assert torch.equal(w.dequantize(), ref) and torch.equal(dequantize_packed(w), ref)
 
 
-@pytest.mark.parametrize("m", [1, 2, 20])  # the GEMV form, and tensor cores
-def test_w4a16_kernels_match_torch_on_the_dequantized_weights(m):
+@pytest.mark.parametrize("m, dtype", [(1, torch.float32), (2, torch.float32), (20, torch.float32),
+                                      (1, torch.bfloat16), (2, torch.bfloat16)])
+def test_w4a16_kernels_match_torch_on_the_dequantized_weights(m, dtype):
+    """float32: the GEMV (one or two rows) and tensor-core forms with the reference's roundings, to 1e-6. bf16:
+    the GEMV by group sums (_w4_gemv), within bf16's rounding of the outputs (a wrong nibble,
+    scale or zero point would be off by order 1)."""
+    from kestrel_backend.runtime import w4a16_kernels
     from kestrel_backend.runtime.w4a16_kernels import w4_linear2_residual, w4_norm_linear
 
     g = torch.Generator().manual_seed(m)
@@ -108,18 +113,21 @@ def test_w4a16_kernels_match_torch_on_the_dequantized_weights(m):
     (_, wq), (_, wf), (_, wp), (_, w2) = (_random_packed(n, kk, group, g) for n, kk in
                                           ((3 * k, k), (ff, k), (k, k), (k, ff)))
     for w in (wq, wf, wp, w2):
-        w.dtype = torch.float32
-    x = torch.randn(m, k, generator=g) * 3 + 1
-    ln_w, ln_b, bq, bf, bias = (torch.randn(n, generator=g) for n in (k, k, 3 * k, ff, k))
+        w.dtype = dtype
+    factored = dtype == torch.bfloat16
+    assert w4a16_kernels._factored(m > 2, dtype, k, group, k, ff) == factored
+    tol = 1e-2 if factored else 1e-6
+    x = (torch.randn(m, k, generator=g) * 3 + 1).to(dtype)
+    ln_w, ln_b, bq, bf, bias = (torch.randn(n, generator=g).to(dtype) for n in (k, k, 3 * k, ff, k))
     qkv, act = w4_norm_linear(x, ln_w, ln_b, wq, bq, wf, bf)
-    h = F.layer_norm(x.double(), (k,), ln_w.double(), ln_b.double())
-    assert rel_err(qkv, F.linear(h, wq.dequantize().double(), bq.double())) < 1e-6
-    assert rel_err(act, F.gelu(F.linear(h, wf.dequantize().double(), bf.double()), approximate="tanh")) < 1e-6
-    residual = torch.randn(m, k, generator=g)
+    h = F.layer_norm(x.double(), (k,), ln_w.double(), ln_b.double()).to(dtype).double()
+    assert rel_err(qkv, F.linear(h, wq.dequantize().double(), bq.double())) < tol
+    assert rel_err(act, F.gelu(F.linear(h, wf.dequantize().double(), bf.double()), approximate="tanh")) < tol
+    residual = torch.randn(m, k, generator=g).to(dtype)
     got = w4_linear2_residual(qkv[:, :k], wp, act, w2, residual, bias)
     ref = residual.double() + qkv[:, :k].double() @ wp.dequantize().double().T + \
         act.double() @ w2.dequantize().double().T + bias.double()
-    assert rel_err(got, ref) < 1e-6
+    assert rel_err(got, ref) < tol / 2
 
 
 def _paged_context(lens, page, hkv, d, g):

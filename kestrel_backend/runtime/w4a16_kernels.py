@@ -4,8 +4,10 @@ The two kernels of a layer that hold its weights have 4-bit twins: `w4_norm_line
 its GELU, on the shared normed input) and `w4_linear2_residual` (proj and fc2 onto the residual). Each program
 streams its columns' bytes, scales and zero points, unpacks and dequantizes them in registers with the reference's
 bf16 roundings, and multiplies in the input's dtype: as a broadcast multiply-sum for one or two rows (a GEMV), on
-tensor cores for more. `dequantize_packed` writes a whole bf16 weight (prefill and the other eager paths, one
-layer's weights at a time).
+tensor cores for more. A GEMV in bf16 or fp16 instead sums x times the 4-bit values group by group and applies
+each group's scale and zero point to those sums (`_w4_gemv`): a few instructions a value, where the roundings
+take about ten and bound the kernel by its arithmetic, not its bytes. `dequantize_packed` writes a whole bf16
+weight (prefill and the other eager paths, one layer's weights at a time).
 """
 
 from __future__ import annotations
@@ -79,11 +81,119 @@ def _w4_matmul(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p_ptr, s_ptr, z_p
 
 
 @triton.jit
+def _nibble_as_float(words, i: tl.constexpr):
+    """Nibble i (bits 4i to 4i + 3) of each int32 word as the float 1 + q / 16, exact: q moved into the top four
+    bits of a float32 mantissa whose exponent is 1's (a shift and a mask; no integer-to-float conversion)."""
+    if 4 * i <= 19:
+        bits = words << (19 - 4 * i)
+    else:
+        bits = words >> (4 * i - 19)
+    return ((bits & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split8(x, WORDS: tl.constexpr):
+    """x [8 WORDS] -> x[8j + i] for i = 0..7, each [WORDS] (the values of nibble i of words j)."""
+    even, odd = tl.split(tl.reshape(x, [WORDS, 2, 2, 2]))
+    e0, e2 = tl.split(even)
+    o1, o3 = tl.split(odd)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e2)
+    x1, x5 = tl.split(o1)
+    x3, x7 = tl.split(o3)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _word_sums(words, x, a, b, WORDS: tl.constexpr):
+    """[BN, WORDS]: a sum_i x (1 + q / 16) - b sum_i x over each word's eight values (x: the chunk, float32)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, WORDS)
+    xq = x0[None, :] * _nibble_as_float(words, 0)
+    xq += x1[None, :] * _nibble_as_float(words, 1)
+    xq += x2[None, :] * _nibble_as_float(words, 2)
+    xq += x3[None, :] * _nibble_as_float(words, 3)
+    xq += x4[None, :] * _nibble_as_float(words, 4)
+    xq += x5[None, :] * _nibble_as_float(words, 5)
+    xq += x6[None, :] * _nibble_as_float(words, 6)
+    xq += x7[None, :] * _nibble_as_float(words, 7)
+    return a * xq - b * (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))[None, :]
+
+
+@triton.jit
+def _row_chunk(x_ptr, x_stride, offs_m, m_mask, r: tl.constexpr, k0, BLOCK_K: tl.constexpr, mean, rstd, g_ptr, b_ptr,
+               dtype: tl.constexpr):
+    """Row r of the tile's rows, columns [k0, k0 + BLOCK_K), layer-normed if given the statistics, as float32."""
+    pick = tl.arange(0, offs_m.shape[0]) == r
+    row, valid = tl.sum(tl.where(pick, offs_m, 0)), tl.sum(tl.where(pick & m_mask, 1, 0))
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + row * x_stride + offs_k, mask=tl.full([BLOCK_K], 0, tl.int32) + valid > 0, other=0.0)
+    if mean is not None:
+        gamma = tl.load(g_ptr + offs_k).to(tl.float32)
+        beta = tl.load(b_ptr + offs_k).to(tl.float32)
+        mu, rs = tl.sum(tl.where(pick, mean, 0.0)), tl.sum(tl.where(pick, rstd, 0.0))
+        x = ((x.to(tl.float32) - mu) * rs * gamma + beta).to(dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _w4_gemv(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p_ptr, s_ptr, z_ptr, offs_m, m_mask, offs_n,
+             K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x[offs_m] @ W[offs_n].T for one or two rows of half-precision x, reading W's 4-bit values as int32
+    words (p_ptr: the bytes viewed as int32 [N, K / 8]; word j's nibble i is k = 8j + i).
+
+    Factored by group instead of dequantizing each value: sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)
+    = 16 s sum_k x_k (1 + q_k / 16) - s (16 + z) sum_k x_k, with 1 + q / 16 made from the bits (_nibble_as_float):
+    three instructions a value, against the bf16 roundings' ten (the reference's weight is bf16(bf16(q - z) s);
+    here it is (q - z) s unrounded, within bf16's rounding of it: the float32 path keeps the exact roundings).
+    Sums are kept a word at a time and added up at the end; whole groups a chunk (BLOCK_K % GROUP == 0); each
+    chunk's words are loaded before the chunk ahead of them is used: two in flight."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    G: tl.constexpr = BLOCK_K // GROUP
+    BN: tl.constexpr = offs_n.shape[0]
+    dtype = x_ptr.dtype.element_ty
+    offs_w = tl.arange(0, WORDS)
+    row_words = p_ptr + offs_n[:, None] * (K // 8)
+    groups = offs_n[:, None] * (K // GROUP) + tl.arange(0, G)[None, :]
+    sums0 = tl.zeros([BN, WORDS], tl.float32)
+    sums1 = tl.zeros([BN, WORDS], tl.float32)
+    words = tl.load(row_words + offs_w[None, :])
+    for k0 in range(0, K, BLOCK_K):
+        if k0 + BLOCK_K < K:
+            words_next = tl.load(row_words + ((k0 + BLOCK_K) // 8 + offs_w)[None, :])
+        else:
+            words_next = words
+        s = tl.load(s_ptr + groups + k0 // GROUP).to(tl.float32)
+        z = tl.load(z_ptr + groups + k0 // GROUP).to(tl.float32)
+        a = tl.reshape(tl.broadcast_to((16.0 * s)[:, :, None], [BN, G, GROUP // 8]), [BN, WORDS])
+        b = tl.reshape(tl.broadcast_to((s * (16.0 + z))[:, :, None], [BN, G, GROUP // 8]), [BN, WORDS])
+        x = _row_chunk(x_ptr, x_stride, offs_m, m_mask, 0, k0, BLOCK_K, mean, rstd, g_ptr, b_ptr, dtype)
+        sums0 += _word_sums(words, x, a, b, WORDS)
+        if offs_m.shape[0] > 1:
+            x = _row_chunk(x_ptr, x_stride, offs_m, m_mask, 1, k0, BLOCK_K, mean, rstd, g_ptr, b_ptr, dtype)
+            sums1 += _word_sums(words, x, a, b, WORDS)
+        words = words_next
+    first = (tl.arange(0, offs_m.shape[0]) == 0)[:, None]
+    return acc + tl.where(first, tl.sum(sums0, 1)[None, :], tl.sum(sums1, 1)[None, :])
+
+
+@triton.jit
+def _w4_product(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p_ptr, s_ptr, z_ptr, offs_m, m_mask, offs_n,
+                K: tl.constexpr, GROUP: tl.constexpr, WHOLE: tl.constexpr, BLOCK_K: tl.constexpr,
+                USE_DOT: tl.constexpr, PRECISION: tl.constexpr, FACTORED: tl.constexpr):
+    if FACTORED:
+        return _w4_gemv(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p_ptr, s_ptr, z_ptr, offs_m, m_mask, offs_n,
+                        K, GROUP, BLOCK_K)
+    return _w4_matmul(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p_ptr, s_ptr, z_ptr, offs_m, m_mask, offs_n,
+                      K, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION)
+
+
+@triton.jit
 def _w4_norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, p1_ptr, s1_ptr, z1_ptr, bias1_ptr, out1_ptr,
                            p2_ptr, s2_ptr, z2_ptr, bias2_ptr, out2_ptr, M, eps, K: tl.constexpr, N1: tl.constexpr,
                            N2: tl.constexpr, GROUP: tl.constexpr, WHOLE: tl.constexpr, GELU2: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_K: tl.constexpr,
-                           USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                           USE_DOT: tl.constexpr, PRECISION: tl.constexpr, FACTORED: tl.constexpr,
+                           PDL: tl.constexpr):
     """Programs [0, N1 / BLOCK_N) fill out1 from W1, the rest out2 from W2 (GELU if GELU2); one normed x."""
     pid = tl.program_id(0)
     first = pid < N1 // BLOCK_N
@@ -94,13 +204,13 @@ def _w4_norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, p1_ptr, s1_ptr, z1_ptr
     mean, rstd = _row_stats(x_ptr, x_stride, offs_m, m_mask, K, eps, BLOCK_M, STATS_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if first:
-        acc = _w4_matmul(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p1_ptr, s1_ptr, z1_ptr, offs_m, m_mask,
-                         offs_n, K, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION)
+        acc = _w4_product(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p1_ptr, s1_ptr, z1_ptr, offs_m, m_mask,
+                          offs_n, K, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION, FACTORED)
         acc += tl.load(bias1_ptr + offs_n).to(tl.float32)[None, :]
         _store_columns(out1_ptr, acc, offs_m, m_mask, offs_n, N1)
     else:
-        acc = _w4_matmul(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p2_ptr, s2_ptr, z2_ptr, offs_m, m_mask,
-                         offs_n, K, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION)
+        acc = _w4_product(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p2_ptr, s2_ptr, z2_ptr, offs_m, m_mask,
+                          offs_n, K, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION, FACTORED)
         acc += tl.load(bias2_ptr + offs_n).to(tl.float32)[None, :]
         if GELU2:
             acc = _gelu_tanh(acc)
@@ -112,16 +222,16 @@ def _w4_linear2_residual_kernel(a_ptr, a_stride, p1_ptr, s1_ptr, z1_ptr, c_ptr, 
                                 res_ptr, res_stride, bias_ptr, out_ptr, M, K1: tl.constexpr, K2: tl.constexpr,
                                 N: tl.constexpr, GROUP: tl.constexpr, WHOLE: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                                PRECISION: tl.constexpr, PDL: tl.constexpr):
+                                PRECISION: tl.constexpr, FACTORED: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     _after_previous_kernel(PDL)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc = _w4_matmul(acc, a_ptr, a_stride, None, None, None, None, p1_ptr, s1_ptr, z1_ptr, offs_m, m_mask, offs_n,
-                     K1, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION)
-    acc = _w4_matmul(acc, c_ptr, c_stride, None, None, None, None, p2_ptr, s2_ptr, z2_ptr, offs_m, m_mask, offs_n,
-                     K2, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION)
+    acc = _w4_product(acc, a_ptr, a_stride, None, None, None, None, p1_ptr, s1_ptr, z1_ptr, offs_m, m_mask, offs_n,
+                      K1, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION, FACTORED)
+    acc = _w4_product(acc, c_ptr, c_stride, None, None, None, None, p2_ptr, s2_ptr, z2_ptr, offs_m, m_mask, offs_n,
+                      K2, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION, FACTORED)
     res = tl.load(res_ptr + offs_m[:, None] * res_stride + offs_n[None, :], mask=m_mask[:, None], other=0.0)
     acc += res.to(tl.float32) + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     _store_columns(out_ptr, acc, offs_m, m_mask, offs_n, N)
@@ -140,9 +250,26 @@ def _whole_groups(block_k: int, group: int, *ks: int) -> bool:
     return block_k % group == 0 and all(k % group == 0 for k in ks)
 
 
+GROUP_SUMS = True  # the half-precision GEMV by group sums (_w4_gemv); benchmarks compare the roundings
+
+
+def _factored(use_dot: bool, dtype: torch.dtype, block_k: int, group: int, *ks: int) -> bool:
+    """The GEMV by group sums (_w4_gemv) for one or two half-precision rows, whole groups a chunk."""
+    return (GROUP_SUMS and not use_dot and dtype in (torch.bfloat16, torch.float16) and group % 8 == 0
+            and _whole_groups(block_k, group, *ks))
+
+
+def _weight_bytes(w: PackedWeight, factored: bool) -> torch.Tensor:
+    return w.data.view(torch.int32) if factored else w.data
+
+
 def w4_tiles(m: int, n: int, k: int, dtype: torch.dtype, wide: bool) -> tuple[int, int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot) for M rows over weights of n columns in all,
     depth k, from the H100 sweep (benchmarks/tune_w4a16.py); wide: norm_linear's many columns (qkv and fc1)."""
+    if m <= GEMV_MAX_ROWS and GROUP_SUMS and dtype != torch.float32:  # (_w4_gemv)
+        if wide and n % 32 == 0:
+            return m, 32, min(k, 256), 4 if m == 1 else 2, 1, False
+        return m, next(b for b in (8, 4, 2, 1) if n % b == 0), min(k, 1024 if m == 1 else 2048), 4, 1, False
     if m <= GEMV_MAX_ROWS:
         block_n = next((b for b in ((8, 4, 2) if wide else (4, 2)) if n % b == 0), 1)
         return m, block_n, min(k, 2048), 4, 1, False
@@ -162,12 +289,13 @@ def w4_norm_linear(x: torch.Tensor, ln_weight, ln_bias, w1: PackedWeight, bias1,
     out1 = torch.empty(m, n1, device=x.device, dtype=x.dtype)
     out2 = torch.empty(m, n2, device=x.device, dtype=x.dtype)
     grid = ((n1 + n2) // block_n, triton.cdiv(m, block_m))
-    _w4_norm_linear_kernel[grid](x, x.stride(0), ln_weight, ln_bias, w1.data, w1.scale, w1.zero, bias1, out1,
-                                 w2.data, w2.scale, w2.zero, bias2, out2, m, LN_EPS, K=k, N1=n1, N2=n2,
-                                 GROUP=w1.group, WHOLE=_whole_groups(block_k, w1.group, k), GELU2=gelu2,
-                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=_stats_chunk(k, block_m),
-                                 USE_DOT=use_dot, PRECISION=_precision(x),
-                                 num_warps=warps, num_stages=stages, **_pdl(x.device, m))
+    factored = _factored(use_dot, x.dtype, block_k, w1.group, k)
+    _w4_norm_linear_kernel[grid](x, x.stride(0), ln_weight, ln_bias, _weight_bytes(w1, factored), w1.scale, w1.zero,
+                                 bias1, out1, _weight_bytes(w2, factored), w2.scale, w2.zero, bias2, out2, m, LN_EPS,
+                                 K=k, N1=n1, N2=n2, GROUP=w1.group, WHOLE=_whole_groups(block_k, w1.group, k),
+                                 GELU2=gelu2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                 STATS_K=_stats_chunk(k, block_m), USE_DOT=use_dot, PRECISION=_precision(x),
+                                 FACTORED=factored, num_warps=warps, num_stages=stages, **_pdl(x.device, m))
     return out1, out2
 
 
@@ -182,12 +310,13 @@ def w4_linear2_residual(a: torch.Tensor, w1: PackedWeight, c: torch.Tensor, w2: 
     out = torch.empty(m, n, device=residual.device, dtype=residual.dtype) if out is None else out
     assert out.shape == (m, n) and out.is_contiguous()
     grid = (n // block_n, triton.cdiv(m, block_m))
-    _w4_linear2_residual_kernel[grid](a, a.stride(0), w1.data, w1.scale, w1.zero, c, c.stride(0), w2.data, w2.scale,
-                                      w2.zero, residual, residual.stride(0), bias, out, m, K1=w1.shape[1],
-                                      K2=w2.shape[1], N=n, GROUP=w1.group,
+    factored = _factored(use_dot, a.dtype, block_k, w1.group, w1.shape[1], w2.shape[1])
+    _w4_linear2_residual_kernel[grid](a, a.stride(0), _weight_bytes(w1, factored), w1.scale, w1.zero, c, c.stride(0),
+                                      _weight_bytes(w2, factored), w2.scale, w2.zero, residual, residual.stride(0),
+                                      bias, out, m, K1=w1.shape[1], K2=w2.shape[1], N=n, GROUP=w1.group,
                                       WHOLE=_whole_groups(block_k, w1.group, w1.shape[1], w2.shape[1]),
                                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
-                                      PRECISION=_precision(a), num_warps=warps,
+                                      PRECISION=_precision(a), FACTORED=factored, num_warps=warps,
                                       num_stages=stages, **_pdl(a.device, m))
     return out
 
