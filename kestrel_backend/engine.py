@@ -309,15 +309,16 @@ class InferenceEngine:
         self._admitting += 1
         adapter = None
         try:
-            key = cropped = pixels = None
+            key = cropped = pixels = held = None
             if image is not None:
                 if not isinstance(image, (bytes, bytearray)):
                     raise InvalidRequest("IMAGE must be encoded image bytes")
                 key = image_key(bytes(image))
+                held = self.images.get(key)
                 if skill == "segment" and self.scheduler.segment_refiner is not None:
                     pixels, cropped = await self.loop.run_in_executor(self._decoders, self._pixels_and_crop,
-                                                                      bytes(image), key not in self.images)
-                elif key not in self.images:
+                                                                      bytes(image), held is None)
+                elif held is None:
                     cropped = await self._decode_once(key, bytes(image))
             tok = self.model.config.tokenizer
             overrides = None
@@ -340,8 +341,8 @@ class InferenceEngine:
                 adapter = await self.adapters.acquire(settings.adapter)
             detok = IncrementalDetokenizer(self.model.tokenizer) if stream_text(skill, delivery.stream) else None
             seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, cropped=cropped,
-                           capacity=capacity, detok=detok, adapter=adapter, prompt_overrides=overrides,
-                           t_submit=arrived, pixels=pixels)
+                           held_embedding=held, capacity=capacity, detok=detok, adapter=adapter,
+                           prompt_overrides=overrides, t_submit=arrived, pixels=pixels)
             self.scheduler.add(seq)
         except BaseException:
             if adapter is not None:

@@ -311,6 +311,39 @@ def test_a_step_takes_on_new_work_within_its_budget(tiny_dir, golden):
         eng.shutdown()
 
 
+def test_an_image_evicted_between_a_requests_arrival_and_its_admission_is_not_lost(tiny_dir, golden):
+    """A request whose image was cached when it arrived carries no crops, only the embedding it found. Here a
+    one-image cache evicts that embedding before the request is admitted (one batch slot, held by a long text
+    query, while the next request's new image is encoded ahead): the request still gets its golden answer."""
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               max_batch_size=1, image_cache_size=1))
+    s = eng.scheduler
+    small, wide = (next(c for c in golden if c["name"] == name) for name in ("query_small", "query_wide"))
+    evicted = []
+    attach = s._attach_images
+    s._attach_images = lambda seqs: evicted.extend(  # (requests with an image and no crops arrived cached)
+        seq.image_key not in s.images for seq in seqs if seq.image_key and seq.cropped is None) or attach(seqs)
+
+    async def scenario():
+        await parity.submit_case(eng, tiny_dir, small)  # small.png now cached
+        blocker = asyncio.create_task(eng.query(None, "go on", settings={"max_tokens": 200}))
+        while not s.running:
+            await asyncio.sleep(0.005)
+        held = asyncio.create_task(parity.submit_case(eng, tiny_dir, small))  # arrives cached: no crops
+        await asyncio.sleep(0.01)
+        fresh = asyncio.create_task(parity.submit_case(eng, tiny_dir, wide))  # encoded ahead: evicts small.png
+        return await asyncio.gather(held, fresh, blocker, return_exceptions=True)
+
+    try:
+        held, fresh, _ = asyncio.run(scenario())
+        assert evicted == [True]  # the case this test is about did happen
+        _check_against_golden(eng, small, held)
+        _check_against_golden(eng, wide, fresh)
+        assert eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
 def test_a_burst_on_one_new_image_decodes_it_once_and_survives_a_cancel(engine, monkeypatch):
     """Requests that bring the same new image while it is being decoded share that decode; one of them
     cancelled leaves the others theirs. A broken image fails every request that brought it, alone."""

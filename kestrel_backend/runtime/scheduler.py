@@ -264,25 +264,33 @@ class Scheduler:
 
     def _attach_images(self, seqs: list[Sequence]) -> list[Sequence]:
         """Image prefixes for newly admitted sequences: cached embeddings, else one batched encode."""
+        self._restore_held(seqs)
         pending: dict[str, list[Sequence]] = {}
         for seq in seqs:
-            if seq.image_key is not None and seq.image_key not in self.images:
+            if seq.image_key is not None and seq.held_embedding is None and seq.image_key not in self.images:
                 pending.setdefault(seq.image_key, []).append(seq)
         if pending and not self._encode(pending):
             seqs = [seq for seq in seqs if seq.image_key not in pending]
         for seq in seqs:
             if seq.image_key is not None:
-                emb = self.images.get(seq.image_key)
-                seq.cropped = None
+                emb = seq.held_embedding if seq.held_embedding is not None else self.images.get(seq.image_key)
+                seq.cropped = seq.held_embedding = None
                 seq.prefix_len = emb.shape[0] + 1
                 seq.next_input = self.model.image_prefix(emb)
         return seqs
+
+    def _restore_held(self, seqs) -> None:
+        """Embeddings that admitted requests found cached on arrival and the cache has evicted since: back into
+        it, as a cache hit would have refreshed them (the requests themselves use the embedding they hold)."""
+        for seq in seqs:
+            if seq.held_embedding is not None and seq.image_key not in self.images:
+                self.images.put(seq.image_key, seq.held_embedding)
 
     def _encode(self, pending: dict[str, list[Sequence]]) -> bool:
         """Encode the images of pending (image key -> the sequences that need it) as one batch into the image
         cache. On failure, end those sequences (and only them) with the error: -> False."""
         try:
-            embeddings = self.model.encode_cropped([self._crops(key, group[0]) for key, group in pending.items()],
+            embeddings = self.model.encode_cropped([self._crops(key, group) for key, group in pending.items()],
                                                    self.crop_encoder)
         except Exception as e:
             log.exception("image encoding failed")
@@ -331,10 +339,12 @@ class Scheduler:
             for group in pending.values():
                 group[0].encoded_ahead = clock
 
-    def _crops(self, key: str, seq: Sequence):
-        """(crops, tiling) of a sequence's image to encode: its crops staged on the GPU if they are."""
+    def _crops(self, key: str, group: list[Sequence]):
+        """(crops, tiling) of an image to encode, from the sequences that need it (those that arrived while it
+        was cached carry none): its crops staged on the GPU if they are."""
+        cropped = next(seq.cropped for seq in group if seq.cropped is not None)
         staged = self.crop_staging.take(key) if self.crop_staging is not None else None
-        return seq.cropped if staged is None else (staged, seq.cropped[1])
+        return cropped if staged is None else (staged, cropped[1])
 
     def _inputs(self, seqs: list[Sequence]) -> torch.Tensor:
         """This step's input embedding of each running sequence: a token's, or a region head's."""

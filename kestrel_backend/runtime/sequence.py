@@ -122,6 +122,9 @@ class Sequence:
     delivery: Delivery
     image_key: str | None = None
     cropped: tuple[np.ndarray, tuple[int, int]] | None = None  # (crops, tiling), until encoded
+    # the image cache's embedding when the request arrived (then it has no crops), held until admission: should
+    # the cache evict it meanwhile, the scheduler puts it back instead of failing the request
+    held_embedding: torch.Tensor | None = None
     capacity: int = 0  # positions reserved in the KV cache
     detok: IncrementalDetokenizer | None = None
     adapter: LoraAdapter | None = None  # pinned in the engine's AdapterRegistry until the sequence ends
