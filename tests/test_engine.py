@@ -530,6 +530,28 @@ def test_a_request_from_the_engine_loop_waits_no_extra_steps(engine):
     assert steps == 1 + token_index
 
 
+def test_no_step_is_launched_ahead_for_sequences_ending_with_this_steps_token(engine):
+    """On a GPU, greedy text launches its next decode step before this step's tokens reach the host. A sequence
+    whose next token is the last its max_tokens allows leaves the batch after this step, so a step launched
+    ahead for it would be dropped (for a direct answer of 3 tokens, a third of its decode work)."""
+    from kestrel_backend.skills.generation import TextGeneration
+    from kestrel_backend.skills.settings import Settings
+
+    def running(max_tokens: int, tokens_so_far: int) -> Sequence:
+        gen = TextGeneration(engine.model.config.tokenizer, Settings.from_dict({"temperature": 0,
+                                                                                "max_tokens": max_tokens}))
+        gen.tokens = [1] * tokens_so_far
+        return Sequence(1, "query", [0], gen, None, capacity=64)
+
+    def predictable(*seqs) -> bool:
+        return engine.scheduler._predictable(list(seqs), [s.generation.choice() for s in seqs])
+
+    assert predictable(running(3, 1))  # this step chooses the 2nd token: the 3rd needs the next step
+    assert not predictable(running(3, 2))  # this step chooses the 3rd and last
+    assert not predictable(running(30, 5), running(3, 2))  # one leaves: the next step's batch differs
+    assert predictable(running(30, 5), running(3, 1))
+
+
 @pytest.mark.parametrize("name", ["md2-tiny-4bit", "md05-tiny", "md3-tiny"])
 def test_other_checkpoints_serve_their_golden_answers(name, tiny_dir):
     """A 4-bit checkpoint (dequantised as the reference does), a 0.5B-style one (its own token ids and

@@ -388,9 +388,11 @@ class Scheduler:
     @staticmethod
     def _predictable(seqs: list[Sequence], choices) -> bool:
         """Whether the next step's inputs are this step's tokens, with the same bans: every sequence
-        generates text greedily and has room for another token."""
+        generates text greedily and has room for another token, which its max_tokens allows (one ending with this
+        step's token leaves the next step, which would drop a step launched ahead: for a direct answer of 3 tokens,
+        one step in 3)."""
         return all(s.generation.feeds_back_tokens and c.temperature == 0 and s.length < s.capacity
-                   for s, c in zip(seqs, choices))
+                   and s.generation.may_continue_after_next_token() for s, c in zip(seqs, choices))
 
     def _forward_flat(self, seqs: list[Sequence], prefill: bool):
         """One forward over a flat token list (whole prompts, or one input each) through self.attention."""

@@ -45,6 +45,11 @@ class Generation:
         """How this step's token is chosen (default: greedy)."""
         return Choice()
 
+    def may_continue_after_next_token(self) -> bool:
+        """Whether a step after the one choosing the next token can be needed (False: that token is the last one
+        max_tokens allows, so a step launched ahead for it would be wasted)."""
+        return True
+
     def on_output(self, token: int, hidden: torch.Tensor) -> NextInput:
         raise NotImplementedError
 
@@ -70,6 +75,9 @@ class TextGeneration(Generation):
     def choice(self) -> Choice:
         banned = (self.tok.answer_id,) if self._steps or self.tok.answer_marker_banned_from_start else ()
         return Choice(self.settings.temperature, self.settings.top_p, self._seed, self._steps, banned)
+
+    def may_continue_after_next_token(self) -> bool:
+        return len(self.tokens) + 1 < self.settings.max_tokens
 
     def on_output(self, token, hidden) -> NextInput:
         self._steps += 1
