@@ -552,6 +552,30 @@ def test_no_step_is_launched_ahead_for_sequences_ending_with_this_steps_token(en
     assert predictable(running(30, 5), running(3, 1))
 
 
+def test_a_sequence_taking_its_last_token_gives_its_slot_to_the_next_request(tiny_dir):
+    """One slot, two requests of 3 tokens: the second prefills in the step where the first takes its last token (5
+    steps in all, not 6), and both answers equal each request run alone."""
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               max_batch_size=1))
+    settings = {"temperature": 0, "max_tokens": 3}
+    questions = ["what is this", "and that"]
+
+    async def together():
+        return await asyncio.gather(*[eng.query(None, q, settings=settings) for q in questions])
+
+    try:
+        alone = [asyncio.run(eng.query(None, q, settings=settings)).output for q in questions]
+        batches = []  # each step's sequences (the hook runs inside every step)
+        eng.scheduler.fault_injector = lambda batch: batches.append(sorted(seq.id for seq in batch))
+        results = asyncio.run(together())
+        first, second = sorted({i for batch in batches for i in batch})
+        assert batches == [[first], [first], [first, second], [second], [second]]
+        assert [r.output for r in results] == alone and all(r.metrics["output_tokens"] == 3 for r in results)
+        assert eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("name", ["md2-tiny-4bit", "md05-tiny", "md3-tiny"])
 def test_other_checkpoints_serve_their_golden_answers(name, tiny_dir):
     """A 4-bit checkpoint (dequantised as the reference does), a 0.5B-style one (its own token ids and

@@ -205,10 +205,13 @@ class Scheduler:
         sequence whose image prefix another one prefills in this step waits for the next step, which reads that
         prefix from the prefix cache (questions on one image arrive together: admitted together, each would
         prefill the 730 tokens). The budget (max_step_tokens) keeps a step short while requests pile up: the
-        running sequences' next tokens wait for the whole step's encodes and prefills."""
+        running sequences' next tokens wait for the whole step's encodes and prefills. A sequence taking its last
+        token (max_tokens) in this step gives its slot up now: the next request prefills in the same step, rather
+        than in a step of its own after the GPU waited for the host to read that token and admit it."""
         new, deferred, prefilling, encoding = [], [], set(), set()
         spent, ahead = 0, self._encodes_ahead()
-        while self.waiting and len(self.running) < self.max_batch_size:
+        leaving = sum(not seq.generation.may_continue_after_next_token() for seq in self.running)
+        while self.waiting and len(self.running) - leaving < self.max_batch_size:
             seq = self.waiting[0]
             shared = self.prefixes.lookup(seq.prefix_key) if seq.image_key is not None else []
             if not shared and seq.prefix_key in prefilling or ahead and self._needs_encode(seq):
