@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from kestrel_backend import parity
 from kestrel_backend.config import RuntimeConfig
@@ -342,6 +343,32 @@ def test_an_image_evicted_between_a_requests_arrival_and_its_admission_is_not_lo
         assert eng.no_request_holds_pages()
     finally:
         eng.shutdown()
+
+
+def test_an_encode_ahead_counts_in_the_prefill_time_of_the_request_that_needed_it(engine):
+    """Two requests wait on one image: the first arrived while it was cached (it holds the embedding, no crops),
+    the second after the cache let it go (crops). The image's encode ahead is timed for the second; the first
+    waited for no encode."""
+    import pyvips
+
+    s = engine.scheduler
+    pixels = np.random.default_rng(7).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    image = pyvips.Image.new_from_array(pixels).pngsave_buffer()  # (an image no other test has cached)
+    key = image_key(image)
+
+    def waiting(held, cropped) -> Sequence:
+        return Sequence(next(engine._ids), "query", [0], Generation(), None, image_key=key, cropped=cropped,
+                        held_embedding=held, capacity=800)
+
+    holding = waiting(engine.model.encode_cropped([engine._crop(image)])[0], None)
+    needing = waiting(None, engine._crop(image))
+    s.waiting.extend([holding, needing])  # (the engine is idle: nothing else reads the queue now)
+    try:
+        with torch.inference_mode():
+            s._encode_ahead()
+        assert key in s.images and needing.encoded_ahead is not None and holding.encoded_ahead is None
+    finally:
+        s.waiting.clear()
 
 
 def test_a_burst_on_one_new_image_decodes_it_once_and_survives_a_cancel(engine, monkeypatch):

@@ -324,23 +324,23 @@ class Scheduler:
         the prefill time of the sequence it was encoded for."""
         room = self.max_step_tokens - self._spent
         window = max(self.max_batch_size - len(self.running), 2)
-        pending: dict[str, list[Sequence]] = {}
+        needing: dict[str, Sequence] = {}  # image key -> the first sequence that needs its encode
         for seq in itertools.islice(self.waiting, window):
-            if not self._needs_encode(seq) or seq.image_key in pending:
+            if not self._needs_encode(seq) or seq.image_key in needing:
                 continue
             cost = len(seq.cropped[0]) * self.crop_cost
-            if pending and cost > room:
+            if needing and cost > room:
                 break
             room -= cost
-            pending[seq.image_key] = [seq]
-        if not pending:
+            needing[seq.image_key] = seq
+        if not needing:
             return
-        pending.update({key: [seq for seq in self.waiting if seq.image_key == key] for key in pending})
+        pending = {key: [seq for seq in self.waiting if seq.image_key == key] for key in needing}
         clock = EncodeClock(self.model.device)
         if self._encode(pending):
             clock.stop(len(pending))
-            for group in pending.values():
-                group[0].encoded_ahead = clock
+            for seq in needing.values():  # (not one that arrived holding the cached embedding: it waited for none)
+                seq.encoded_ahead = clock
 
     def _crops(self, key: str, group: list[Sequence]):
         """(crops, tiling) of an image to encode, from the sequences that need it (those that arrived while it
