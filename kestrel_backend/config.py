@@ -6,6 +6,7 @@ load with a message an operator can act on.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -14,12 +15,30 @@ TINY_CHECKPOINT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (a container's cpuset), else the machine's."""
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may use: those it may run on (a container's cpuset), fewer where a CPU quota (a container's
+    CPU limit: cgroup v2's cpu.max, v1's cpu.cfs_quota_us) allows less."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # (not on Linux)
-        return os.cpu_count() or 4
+        cpus = os.cpu_count() or 4
+    quota = _cpu_quota(cgroup)
+    return max(1, min(cpus, math.ceil(quota))) if quota else cpus
+
+
+def _cpu_quota(cgroup: Path) -> float | None:
+    """CPUs' worth of time the cgroup may use (quota over period), or None: no quota, or none readable."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]  # cgroup v2: "max 100000" or "200000 100000"
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())  # cgroup v1: -1 without a quota
+        period = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 class ConfigError(ValueError):
@@ -152,7 +171,7 @@ class RuntimeConfig:
 
     def image_worker_count(self) -> int:
         """Threads for image decode and cropping: KESTREL_IMAGE_WORKERS, else a third of the CPUs this process may
-        use, 2 to 8. More took the CPUs from the engine thread, whose launches then kept the GPU waiting (H100
+        use (usable_cpus: its cpuset and CPU limit), 2 to 8. More took the CPUs from the engine thread, whose launches then kept the GPU waiting (H100
         machine of 16 CPUs, a burst of chart queries at batch 64: 80 req/s with 14 threads, 106 with 4 to 6)."""
         return self.image_workers or max(2, min(8, usable_cpus() // 3))
 

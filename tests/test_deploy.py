@@ -141,6 +141,28 @@ def test_a_kind_gpu_instance_runs_its_engine_on_its_own_gpu():
         RuntimeConfig.from_sources({"KESTREL_DEVICE": "cpu"}, {}, ("GPU", 2))
 
 
+def test_the_image_pool_counts_the_cpus_a_container_may_use(tmp_path, monkeypatch):
+    """A pod's CPU limit (a cgroup CPU quota) bounds the CPUs counted, not only its cpuset: a decode pool sized
+    from the node's CPUs would take the engine thread's."""
+    from kestrel_backend import config
+
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir(), (v1 / "cpu").mkdir(parents=True)
+    assert config.usable_cpus(tmp_path / "none") == 64
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert config.usable_cpus(v2) == 64
+    (v2 / "cpu.max").write_text("250000 100000\n")  # a limit of 2.5 CPUs
+    assert config.usable_cpus(v2) == 3
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert config.usable_cpus(v1) == 64
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("1200000\n")  # 12 CPUs
+    assert config.usable_cpus(v1) == 12
+    monkeypatch.setattr(config, "usable_cpus", lambda: 12)
+    assert RuntimeConfig().image_worker_count() == 4 and RuntimeConfig(image_workers=7).image_worker_count() == 7
+
+
 def test_tritonserver_takes_the_multi_gpu_config_by_name(tmp_path):
     """`--model-config-name=multi_gpu` makes the real tritonserver load configs/multi_gpu.pbtxt: on this machine,
     without a GPU, it then refuses the KIND_GPU instance group (on a GPU machine it starts one per GPU)."""
