@@ -171,8 +171,9 @@ class RuntimeConfig:
 
     def image_worker_count(self) -> int:
         """Threads for image decode and cropping: KESTREL_IMAGE_WORKERS, else a third of the CPUs this process may
-        use (usable_cpus: its cpuset and CPU limit), 2 to 8. More took the CPUs from the engine thread, whose launches then kept the GPU waiting (H100
-        machine of 16 CPUs, a burst of chart queries at batch 64: 80 req/s with 14 threads, 106 with 4 to 6)."""
+        use (usable_cpus: its cpuset and CPU limit), 2 to 8. More took the CPUs from the engine thread, whose
+        launches then kept the GPU waiting (H100 machine of 16 CPUs, a burst of chart queries at batch 64: 80 req/s
+        with 14 threads, 106 with 4 to 6)."""
         return self.image_workers or max(2, min(8, usable_cpus() // 3))
 
     def torch_device(self) -> str:
