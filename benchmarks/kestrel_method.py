@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kestrel_backend.config import RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
-from kestrel_backend.model.image_crops import overlap_crops  # noqa: E402
+from kestrel_backend.model import vision  # noqa: E402
 
 # Kestrel's published H100 figures (req/s, P50 ms), its PERFORMANCE.md: Moondream 2, and Moondream 3 (FP8 experts).
 KESTREL_PUBLISHED = {
@@ -89,11 +89,17 @@ def workload(n_images: int, seed: int) -> list[tuple[bytes, str]]:
     return pairs
 
 
+def crop_count(image: bytes, config: MoondreamConfig) -> int:
+    """The crops the engine encodes for an image: its global view and its tiles."""
+    from kestrel_backend.images import decode_image
+
+    return len(vision.crop_image(decode_image(image), config.vision)[0])
+
+
 def floor_s(config: MoondreamConfig, pairs, question_tokens: list[int], out_tokens: int, batch: int,
             ceilings: dict) -> float:
     """The burst's GPU floor (see the module's docstring)."""
     from benchmarks.gpu_bench import prefill_flops, text_weight_bytes, vision_crop_flops
-    from kestrel_backend.images import decode_image
 
     v, t = config.vision, config.text
     flops, seen = 0, set()
@@ -103,8 +109,7 @@ def floor_s(config: MoondreamConfig, pairs, question_tokens: list[int], out_toke
             flops += prefill_flops(config, t.prefix_attn, prompt)
         else:
             seen.add(image)
-            crops, _ = overlap_crops(decode_image(image), v.crop_size, v.enc_patch_size, v.overlap_margin, v.max_crops)
-            flops += len(crops) * vision_crop_flops(v) + prefill_flops(config, 0, t.prefix_attn + prompt)
+            flops += crop_count(image, config) * vision_crop_flops(v) + prefill_flops(config, 0, t.prefix_attn + prompt)
     steps = -(-len(pairs) // batch) * out_tokens
     kv_per_token = t.n_layers * 2 * t.n_kv_heads * t.head_dim * 2
     kv_bytes = len(pairs) * sum(t.prefix_attn + 20 + i for i in range(out_tokens)) * kv_per_token

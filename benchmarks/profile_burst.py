@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.kestrel_method import OUTPUT_TOKENS, workload  # noqa: E402
+from benchmarks.kestrel_method import OUTPUT_TOKENS, crop_count, workload  # noqa: E402
 from kestrel_backend.config import RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
@@ -133,12 +133,6 @@ def timeline(events, busy, ms: float) -> list[tuple[float, float, str]]:
     return sorted(keep)
 
 
-def crop_count(model: Moondream, pairs) -> int:
-    from kestrel_backend.images import decode_image
-
-    return sum(len(model.crop_image(decode_image(image))[0]) for image in {image for image, _ in pairs})
-
-
 def top_kernels(events, n: int = 20) -> dict[str, float]:
     total: collections.Counter = collections.Counter()
     for e in events:
@@ -209,7 +203,8 @@ def main() -> int:
         in_marks[name] += (e - s) / 1000
     report = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": args.model,
-        "batch": args.batch, "mode": args.mode, "questions": len(pairs), "crops": crop_count(model, pairs),
+        "batch": args.batch, "mode": args.mode, "questions": len(pairs),
+        "crops": sum(crop_count(image, model.config) for image in {image for image, _ in pairs}),
         "max_step_tokens": args.max_step_tokens, "wall_s": wall,
         "req_per_s": len(pairs) / wall, "steps": engine.scheduler.steps - steps_before,
         "engine_thread_cpu_s": cpu, "gpu_span_ms": span_us / 1000, "gpu_busy_ms": busy_ms,
