@@ -125,10 +125,11 @@ def ceilings() -> dict:
             "bf16_matmul_sustained_TFLOPs": flop / (ms_sustained / 1000) / 1e12}
 
 
-def text_weight_bytes(config: MoondreamConfig, rows: int = 1) -> int:
+def text_weight_bytes(config: MoondreamConfig, rows: int = 1, fp8_experts: bool = False) -> int:
     """bf16 bytes of the text weights a decode step of `rows` sequences reads (biases aside). Moondream 3: its dense
     layers, and in each expert layer the router and the experts the rows chose: top-k for one row, for more the
-    expected number of distinct experts under uniform routing, E * (1 - (1 - k / E)^rows)."""
+    expected number of distinct experts under uniform routing, E * (1 - (1 - k / E)^rows); fp8_experts: those
+    experts one byte a value and a float32 scale a row."""
     t = config.text
     qkv = t.dim + 2 * t.n_kv_heads * t.head_dim
     attention = t.dim * qkv + t.dim * t.dim + (2 * t.n_heads * qkv if t.tau_attn else 0)
@@ -137,7 +138,10 @@ def text_weight_bytes(config: MoondreamConfig, rows: int = 1) -> int:
         if t.moe is not None and layer >= t.moe.start_layer:
             m = t.moe
             experts = m.n_experts * (1 - (1 - m.n_experts_per_tok / m.n_experts) ** rows)
-            total += t.dim * m.n_experts + int(experts * 3 * t.dim * m.expert_inner_dim)
+            total += t.dim * m.n_experts
+            expert_values = 3 * t.dim * m.expert_inner_dim
+            total += int(experts * (expert_values / 2 + 2 * (2 * m.expert_inner_dim + t.dim) if fp8_experts
+                                    else expert_values))
         else:
             total += 2 * t.dim * t.ff_dim
     return 2 * total

@@ -13,12 +13,14 @@ PNG-encoded; seeded by the run, so no two runs share an image.
 
 Floor of a burst (GPU only): the vision FLOPs of every image's crops and the prefill FLOPs of every question (the
 first on an image prefills its prefix, the second only its own tokens) over the measured matmul rate, plus the
-decode steps' bytes (weights once a step at full batches, and each step's KV reads) over the measured copy rate.
+decode steps' bytes (weights once a step at full batches, and each step's KV reads) over the measured copy rate
+(Moondream 3's experts at one byte a value where the checkpoint holds them in FP8, as Kestrel's do).
 
     python benchmarks/kestrel_method.py [--model moondream2|moondream3] [--batch-sizes 1 4 16 64] [--images 256]
         [--triton] [--out out.json]
         [--max-step-tokens 16384 0]         # step budgets, each on a burst of its own (0: none)
-        [--kestrel-rows side_by_side.json]   # Kestrel measured on the same machine: {"direct": {"64": [req/s, p50]}, ...}
+        [--kestrel-rows side_by_side.json]   # Kestrel on this machine (benchmarks/kestrel_peer.py writes them)
+        [--checkpoint DIR [--keep-fp8-experts]]  # a checkpoint (Kestrel's side by side: kestrel_checkpoint.py)
     python benchmarks/kestrel_method.py --checkpoint tests/fixtures/md2-tiny --images 4 --batch-sizes 2  (CPU smoke)
 """
 
@@ -97,8 +99,8 @@ def crop_count(image: bytes, config: MoondreamConfig) -> int:
 
 
 def floor_s(config: MoondreamConfig, pairs, question_tokens: list[int], out_tokens: int, batch: int,
-            ceilings: dict) -> float:
-    """The burst's GPU floor (see the module's docstring)."""
+            ceilings: dict, fp8_experts: bool = False) -> float:
+    """The burst's GPU floor (see the module's docstring; fp8_experts: Moondream 3's experts read in FP8)."""
     from benchmarks.gpu_bench import prefill_flops, text_weight_bytes, vision_crop_flops
 
     v, t = config.vision, config.text
@@ -113,7 +115,7 @@ def floor_s(config: MoondreamConfig, pairs, question_tokens: list[int], out_toke
     steps = -(-len(pairs) // batch) * out_tokens
     kv_per_token = t.n_layers * 2 * t.n_kv_heads * t.head_dim * 2
     kv_bytes = len(pairs) * sum(t.prefix_attn + 20 + i for i in range(out_tokens)) * kv_per_token
-    decode_bytes = steps * text_weight_bytes(config, batch) + kv_bytes
+    decode_bytes = steps * text_weight_bytes(config, batch, fp8_experts) + kv_bytes
     return flops / (ceilings["bf16_matmul_TFLOPs"] * 1e12) + decode_bytes / (ceilings["copy_bandwidth_GBps"] * 1e9)
 
 
@@ -218,6 +220,8 @@ def main() -> int:
     p.add_argument("--kestrel-rows", type=Path, help="Kestrel measured on this machine, to print beside ours")
     p.add_argument("--max-step-tokens", type=int, nargs="+", default=[RuntimeConfig.max_step_tokens],
                    help="the engine's step budgets to run, each in turn on a burst of its own (0: none)")
+    p.add_argument("--keep-fp8-experts", action="store_true",
+                   help="a checkpoint's FP8 experts (Kestrel's files) kept FP8, as KESTREL_KEEP_FP8_EXPERTS=1")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     import torch
@@ -229,11 +233,12 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     if args.checkpoint:
         model = Moondream.from_checkpoint(args.checkpoint, dtype=torch.bfloat16 if cuda else torch.float32,
-                                          device="cuda" if cuda else "cpu")
+                                          device="cuda" if cuda else "cpu", keep_fp8_experts=args.keep_fp8_experts)
     else:
         config = MoondreamConfig.official(args.model)
         model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"),
                           load_tokenizer(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny"))
+    fp8_experts = any(b.moe is not None and b.moe.fc1_scale is not None for b in model.weights.text.blocks)
     ceilings = None
     if cuda:
         from benchmarks.gpu_bench import ceilings as measure_ceilings
@@ -255,7 +260,7 @@ def main() -> int:
             if ceilings:
                 tokens = [len(model.tokenizer.encode(q).ids) for _, q in pairs]
                 row["floor_req_per_s"] = len(pairs) / floor_s(model.config, pairs, tokens, OUTPUT_TOKENS[mode],
-                                                               batch, ceilings)
+                                                               batch, ceilings, fp8_experts)
             rows.append(row)
             print(json.dumps(row), flush=True)
         if args.triton:
@@ -277,6 +282,8 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "model": args.model,
                                         "date": time.strftime("%Y-%m-%d"), "ceilings": ceilings,
+                                        "checkpoint": str(args.checkpoint or "random"),
+                                        "keep_fp8_experts": args.keep_fp8_experts,
                                         "images_per_burst": args.images, "rows": rows}, indent=1))
     return 0
 

@@ -1,6 +1,8 @@
-"""Moondream 3 on the GPU: the float32 GPU engine against md3-tiny's golden outputs, then decode steps of FULL-SIZE
-random bf16 weights against their floor (the dense weights, the routed experts and the KV bytes, over the copy
-ceiling measured in the same run), the weights' device memory, and segment's refinement latency (full-size head).
+"""Moondream 3 on the GPU: the float32 GPU engine against md3-tiny's golden outputs and, with md3-tiny's experts in
+FP8 (Kestrel's layout), against the CPU engine on the same file; then decode steps of FULL-SIZE random bf16 weights
+against their floor (the dense weights, the routed experts and the KV bytes, over the copy ceiling measured in the
+same run), again with the experts in FP8 (as Kestrel's checkpoints hold them: half the experts' bytes), the
+weights' device memory, and segment's refinement latency (full-size head).
 
     python benchmarks/moondream3_bench.py [--out md3.json]
 
@@ -8,15 +10,24 @@ Kestrel's method on Moondream 3: benchmarks/kestrel_method.py --model moondream3
 """
 
 import argparse
+import asyncio
+import functools
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_bench import ceilings, decode_steps, engine_golden_check, table  # noqa: E402
+from benchmarks.gpu_bench import (ROOT, ceilings, decode_steps, engine_golden_check, table,  # noqa: E402
+                                  text_weight_bytes)
+from benchmarks.kestrel_checkpoint import to_fp8, to_kestrel_layout  # noqa: E402
+from kestrel_backend.config import RuntimeConfig  # noqa: E402
+from kestrel_backend.engine import InferenceEngine  # noqa: E402
+from kestrel_backend.parity import COORD_TOL, submit_case  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.seg_refiner import RefinerHead  # noqa: E402
@@ -76,6 +87,58 @@ def refine_latency(model: Moondream) -> dict:
     return {"gpu_encoder_and_head_ms_median": round(sorted(times[3:])[10], 2)}
 
 
+def _same(a, b) -> bool:
+    """Two outputs equal, numbers (coordinates) within the parity check's tolerance."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= COORD_TOL
+    return a == b
+
+
+def fp8_agreement() -> dict:
+    """md3-tiny with its experts in FP8 (Kestrel's layout): the float32 GPU engine, which keeps them FP8 (its expert
+    kernels scale after the dot), against the CPU engine, which dequantises them at load: every text, point and
+    detect case (32 at once on the GPU) with the same outputs."""
+    from safetensors.torch import load_file
+
+    fixture = ROOT / "tests" / "fixtures" / "md3-tiny"
+    config = MoondreamConfig.from_file(fixture / "config.json")
+    cases = [c for c in json.loads((fixture / "cases.json").read_text())["cases"]
+             if c["kind"] in ("query", "caption", "point", "detect") and not c.get("adapter")][:32]
+    outputs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(to_kestrel_layout(load_file(str(fixture / "model.safetensors")), config.text.n_layers),
+                   Path(tmp) / "model_fp8.pt")
+        for name in ("config.json", "tokenizer.json"):
+            shutil.copy(fixture / name, tmp)
+        for device in ("cpu", "cuda"):
+            engine = InferenceEngine.create(RuntimeConfig(model_path=tmp, device=device, dtype="float32",
+                                                          max_batch_size=32, keep_fp8_experts=1))
+            try:
+                async def run():
+                    return await asyncio.gather(*[submit_case(engine, fixture, c) for c in cases])
+
+                outputs[device] = [r.output for r in asyncio.run(run())]
+                if device == "cuda":
+                    fc1 = next(b.moe.fc1 for b in engine.model.weights.text.blocks if b.moe is not None)
+            finally:
+                engine.shutdown()
+    same = sum(_same(a, b) for a, b in zip(outputs["cpu"], outputs["cuda"]))
+    return {"fp8_experts_gpu_equal_cpu": f"{same}/{len(cases)}", "gpu_expert_dtype": str(fc1.dtype)}
+
+
+def experts_to_fp8(model: Moondream) -> None:
+    """The model's experts in FP8 with a float32 scale a row, in place, layer by layer."""
+    for block in model.weights.text.blocks:
+        if block.moe is not None:
+            (block.moe.fc1, block.moe.fc1_scale), (block.moe.fc2, block.moe.fc2_scale) = \
+                to_fp8(block.moe.fc1), to_fp8(block.moe.fc2)
+    torch.cuda.empty_cache()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path)
@@ -99,6 +162,18 @@ def main() -> int:
             print(table(rows[-3:]), flush=True)
     res["decode"] = rows
     res["peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
+    res["fp8_check"] = fp8_agreement()
+    print(json.dumps(res["fp8_check"]), flush=True)
+    before = torch.cuda.memory_allocated()
+    experts_to_fp8(model)
+    res["fp8_weights_GB"] = res["weights_GB"] - (before - torch.cuda.memory_allocated()) / 1e9
+    rows, fp8_bytes = [], functools.partial(text_weight_bytes, fp8_experts=True)
+    with torch.inference_mode():
+        for context in (64, 800):
+            rows += decode_steps(model, [1], context, bandwidth, "graph-ahead", weight_bytes=fp8_bytes)
+            rows += decode_steps(model, [16, 64], context, bandwidth, "graph", weight_bytes=fp8_bytes)
+            print("FP8 experts\n" + table(rows[-3:]), flush=True)
+    res["decode_fp8_experts"] = rows
     print(json.dumps({k: v for k, v in res.items() if k != "decode"}), flush=True)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))

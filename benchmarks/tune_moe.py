@@ -4,6 +4,7 @@ weights (bf16, random) at a decode step's token count and a prefill's, in TFLOP/
     python benchmarks/tune_moe.py             # the prefill tile candidates below; the kernels against the grouped GEMM
     python benchmarks/tune_moe.py --decode    # a sweep of the up and the down kernel's tiles at 16 and 64 tokens
     python benchmarks/tune_moe.py --one-token # the same inside whole decode steps of one sequence (full-size model)
+    add --fp8 (not with --one-token): the experts in FP8 with a scale a row, as Kestrel's checkpoints hold them
 """
 
 import itertools
@@ -15,6 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import graph_timed  # noqa: E402
 from kestrel_backend.model.config import MoeConfig  # noqa: E402
+from benchmarks.kestrel_checkpoint import to_fp8  # noqa: E402
+from kestrel_backend.model.weights import Linear, MoE  # noqa: E402
 from kestrel_backend.runtime import moe_kernels as mk  # noqa: E402
 
 CANDIDATES = {
@@ -47,18 +50,18 @@ def ranked(time_pair, base: tuple, which: int, candidates) -> list[tuple[float, 
     return sorted(results, key=lambda r: r[0])
 
 
-def decode_sweep(x_for, router_w, router_b, fc1, fc2, m) -> None:
+def decode_sweep(x_for, moe, m) -> None:
     """Each kernel's tiles in turn (the other at its current tiles), at a decode step's token counts."""
     default = mk._tiles
     grid = tile_grid((32, 64, 128), (64, 128), (4, 8), (3, 4))
     for tokens in (16, 64):
         x, current = x_for(tokens), default(tokens, torch.bfloat16)
         experts = m.n_experts * (1 - (1 - m.n_experts_per_tok / m.n_experts) ** tokens)
-        weight_bytes = experts * 3 * x.shape[1] * m.expert_inner_dim * 2
+        weight_bytes = experts * 3 * x.shape[1] * m.expert_inner_dim * moe.fc1.element_size()
 
         def time_pair(pair) -> float:
             mk._tiles = lambda t, dtype: pair
-            return graph_timed(lambda: mk.moe_mlp_cuda(x, router_w, router_b, fc1, fc2, m.n_experts_per_tok), calls=8)
+            return graph_timed(lambda: mk.moe_mlp_cuda(x, moe), calls=8)
 
         ms = time_pair(current)
         print(f"{tokens} tokens, current: {ms:.4f} ms, {weight_bytes / ms / 1e6:.0f} GB/s", flush=True)
@@ -104,17 +107,19 @@ def main() -> None:
     fc2 = torch.randn(m.n_experts, dim, m.expert_inner_dim, device="cuda", generator=gen).mul_(1 / 32).bfloat16()
     router_w = torch.randn(m.n_experts, dim, device="cuda", generator=gen).mul_(dim ** -0.5).bfloat16()
     router_b = torch.zeros(m.n_experts, device="cuda", dtype=torch.bfloat16)
+    moe = MoE(Linear(router_w, router_b), fc1, fc2, m.n_experts_per_tok)
+    if "--fp8" in sys.argv:  # the experts as Kestrel's checkpoints hold them
+        (moe.fc1, moe.fc1_scale), (moe.fc2, moe.fc2_scale) = to_fp8(fc1), to_fp8(fc2)
     if "--one-token" in sys.argv:
         return one_token_sweep()
     if "--decode" in sys.argv:
-        return decode_sweep(lambda t: torch.randn(t, dim, device="cuda", generator=gen).bfloat16(), router_w,
-                            router_b, fc1, fc2, m)
+        return decode_sweep(lambda t: torch.randn(t, dim, device="cuda", generator=gen).bfloat16(), moe, m)
     default, grouped_from = mk._tiles, mk.GROUPED_GEMM_PAIRS
     for tokens in (1, 64, 300, 512, 742, 1024, 1484, 2968, 8 * 742):
         x = torch.randn(tokens, dim, device="cuda", generator=gen).bfloat16()
         flop = 2 * tokens * m.n_experts_per_tok * 3 * dim * m.expert_inner_dim
         experts = m.n_experts * (1 - (1 - m.n_experts_per_tok / m.n_experts) ** tokens)
-        weight_bytes = experts * 3 * dim * m.expert_inner_dim * 2
+        weight_bytes = experts * 3 * dim * m.expert_inner_dim * moe.fc1.element_size()
         paths = {"current": (None, grouped_from)}
         if tokens > 128:  # prefills: the kernels' tile candidates, and the grouped GEMM path
             paths |= {name: (tiles, 10 ** 9) for name, tiles in CANDIDATES.items()} | {"grouped GEMM": (None, 0)}
@@ -122,7 +127,7 @@ def main() -> None:
             mk._tiles = default if tiles is None else (lambda t, dtype, tiles=tiles: tiles)
             mk.GROUPED_GEMM_PAIRS = grouped_pairs
             try:
-                ms = graph_timed(lambda: mk.moe_mlp_cuda(x, router_w, router_b, fc1, fc2, m.n_experts_per_tok), calls=4)
+                ms = graph_timed(lambda: mk.moe_mlp_cuda(x, moe), calls=4)
                 print(f"{tokens:5d} tokens {name:18s} {ms:8.3f} ms  {flop / ms / 1e9:7.1f} TFLOP/s  "
                       f"{weight_bytes / ms / 1e6:7.0f} GB/s", flush=True)
             except Exception as e:  # a tile that does not fit: say so, go on

@@ -70,6 +70,8 @@ class RuntimeConfig:
     max_adapter_rank: int = 32  # the device pool holds KESTREL_MAX_ADAPTERS slots of this rank
     image_workers: int = 0  # threads decoding and cropping images (0: from the machine's CPU count)
     seg_refiner_path: str = ""  # Moondream 3's segment refiner: model.pt (or a folder holding it)
+    keep_fp8_experts: int = 0  # 1: FP8 experts (Kestrel's Moondream 3 files) stay FP8 on a GPU: 8 GB less memory,
+    # faster decode steps of many rows, slower single-row steps and prefills (PERFORMANCE.md); 0: widened to dtype
     drain_timeout_s: int = 25  # a stopping server lets admitted requests run this long (below tritonserver's
     # --exit-timeout-secs, 30 by default), then ends the rest with an error
 
@@ -85,6 +87,7 @@ class RuntimeConfig:
         "adapter_dir": "KESTREL_ADAPTER_DIR", "max_adapters": "KESTREL_MAX_ADAPTERS",
         "max_adapter_rank": "KESTREL_MAX_ADAPTER_RANK", "image_workers": "KESTREL_IMAGE_WORKERS",
         "seg_refiner_path": "KESTREL_SEG_REFINER_PATH", "drain_timeout_s": "KESTREL_DRAIN_TIMEOUT_S",
+        "keep_fp8_experts": "KESTREL_KEEP_FP8_EXPERTS",
     }
 
     @classmethod
@@ -126,6 +129,8 @@ class RuntimeConfig:
                      "drain_timeout_s", "max_step_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.ENV[name]} must be 0 or positive, got {getattr(self, name)}")
+        if self.keep_fp8_experts not in (0, 1):
+            raise ConfigError(f"KESTREL_KEEP_FP8_EXPERTS must be 0 or 1, got {self.keep_fp8_experts}")
         if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"KESTREL_DEVICE must be cuda or cpu, got {self.device!r}")
         if self.dtype not in ("",) + DTYPES:

@@ -115,7 +115,8 @@ class InferenceEngine:
             log.warning("NO WEIGHTS CONFIGURED: serving the tiny RANDOM-WEIGHT test checkpoint %s; answers are noise. "
                         "Set KESTREL_MODEL=moondream2 or KESTREL_MODEL_PATH for a real model.", path)
         model = Moondream.from_checkpoint(path, dtype=config.torch_dtype(), device=config.torch_device(),
-                                          tokenizer_dir=config.tokenizer_dir())
+                                          tokenizer_dir=config.tokenizer_dir(),
+                                          keep_fp8_experts=bool(config.keep_fp8_experts))
         if model.tokenizer is None:
             raise ValueError(f"{path}: no tokenizer.json next to the weights")
         head = None

@@ -9,6 +9,7 @@ may differ from this one's.
     python tests/compile_kernels.py   -> prints one line per compiled kernel variant; exit 1 on failure
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -19,6 +20,7 @@ from triton.runtime.jit import JITFunction
 
 from kestrel_backend.model.config import MoeConfig, TextConfig, VisionConfig
 from kestrel_backend.model.packed import PackedWeight
+from kestrel_backend.model.weights import Linear, MoE
 from kestrel_backend.model.layer_norm_cuda import shifted_layer_norm
 from kestrel_backend.model.rope_cuda import rope_qk_inplace
 from kestrel_backend.model.tau_cuda import tau_inplace
@@ -29,7 +31,7 @@ from kestrel_backend.runtime import w4a16_kernels as w4
 from kestrel_backend.runtime.prefill_attention import prefill_attention
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
-          torch.float64: "fp64"}
+          torch.float64: "fp64", torch.float8_e4m3fn: "fp8e4nv"}
 # capability: (shared memory a block, PDL): A100, A10/A40, L4/L40/RTX 4090, H100/H200, B200, RTX 5090/RTX PRO 6000
 ARCHITECTURES = {80: (166912, False), 86: (101376, False), 89: (101376, False), 90: (232448, True),
                  100: (232448, True), 120: (101376, True)}
@@ -64,7 +66,7 @@ def compile_launch(fn: JITFunction, args, kwargs, capability: int) -> None:
                            f"{SHARED_MEMORY[capability]}")
 
 
-def launch_everything() -> None:
+def launch_everything(capability: int) -> None:
     cfg = TextConfig()
     h, d, page = cfg.n_heads, cfg.head_dim, 16
     for dtype in (torch.bfloat16, torch.float32):
@@ -114,10 +116,20 @@ def launch_everything() -> None:
         moe = MoeConfig()  # Moondream 3's experts: few tokens (decode) and many (prefill) take other tiles
         tau_inplace(torch.zeros(4, 3 * cfg.dim, **f), torch.zeros(4, 2 * h, **f), torch.zeros(h, **f),
                     torch.zeros(4, dtype=torch.int64), h, d)
+        fc1 = torch.zeros(moe.n_experts, 2 * moe.expert_inner_dim, cfg.dim, **f)
+        fc2 = torch.zeros(moe.n_experts, cfg.dim, moe.expert_inner_dim, **f)
+        bf16_experts = MoE(Linear(torch.zeros(moe.n_experts, cfg.dim, **f), torch.zeros(moe.n_experts, **f)), fc1, fc2,
+                           moe.n_experts_per_tok)
+        fp8 = torch.float8_e4m3fn
+        fp8_experts = dataclasses.replace(bf16_experts, fc1=fc1.to(fp8), fc2=fc2.to(fp8),  # (KESTREL_KEEP_FP8_EXPERTS)
+                                          fc1_scale=torch.ones(fc1.shape[:2], device=fc1.device),
+                                          fc2_scale=torch.ones(fc2.shape[:2], device=fc1.device))
+        kinds = (bf16_experts, fp8_experts) if capability >= 89 else (bf16_experts,)  # (e4m3: from Ada on)
         for t in (1, 64, 256):
-            mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), torch.zeros(moe.n_experts, cfg.dim, **f),
-                            torch.zeros(moe.n_experts, **f), torch.zeros(moe.n_experts, 2 * moe.expert_inner_dim, cfg.dim, **f),
-                            torch.zeros(moe.n_experts, cfg.dim, moe.expert_inner_dim, **f), moe.n_experts_per_tok)
+            for experts in kinds:
+                mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), experts)
+        if capability >= 89:
+            mk.widened(fp8_experts.fc2, fp8_experts.fc2_scale, torch.bfloat16)
         pairs = 1024 * moe.n_experts_per_tok  # (the grouped GEMM path of long prefills: its two kernels of our own)
         mk.gated_gelu(torch.zeros(pairs, 2 * moe.expert_inner_dim, **f))
         mk.combine_rows(torch.zeros(pairs, cfg.dim, **f), torch.zeros(pairs, dtype=torch.int32),
@@ -134,7 +146,7 @@ def main() -> int:
         dk._has_pdl = lambda device, pdl=pdl: pdl
         dk._small_shared_memory = lambda device, small=shared < 200 * 1024: small
         launches.clear()
-        launch_everything()
+        launch_everything(capability)
         seen = set()
         for fn, args, kwargs in launches:
             variant = (fn.__name__, tuple(_type(a) for a in args), tuple(sorted(kwargs.items())))

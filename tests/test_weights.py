@@ -154,76 +154,47 @@ def test_moondream3_config_and_checkpoint_errors_name_the_tensor(tiny_dir, tmp_p
         MoondreamConfig.from_dict({"model_type": "moondream3", "config": {"text": {"moe": {"experts": 4}}}})
 
 
-def _kestrel_name(name: str, tensor: torch.Tensor) -> str:
-    """A current-layout Moondream 3 tensor's name in Kestrel's checkpoints (its legacy layout)."""
-    name = name.removeprefix("model.")
-    visual = "vision_encoder.encoder.model.visual."
-    fixed = {"vision.patch_emb.": visual + "patch_embed.linear.", "vision.pos_emb": visual + "pos_embed",
-             "vision.post_ln.": visual + "norm.", "vision.proj_mlp.": "vision_encoder.projection.mlp.",
-             "text.wte": "text_model.transformer.embd.wte.weight", "text.post_ln.": "text_model.lm_head.ln.",
-             "text.lm_head.": "text_model.lm_head.linear.",
-             "region.coord_features": "region_model.coordinate_features.weight",
-             "region.size_features": "region_model.size_features.weight",
-             "region.coord_encoder.": "region_model.coordinate_encoder.",
-             "region.size_encoder.": "region_model.size_encoder.",
-             "region.coord_decoder.": "region_model.coordinate_head.",
-             "region.size_decoder.": "region_model.size_head.",
-             "region.ln.": "region_model.ln."}
-    for old, new in fixed.items():
-        if name.startswith(old):
-            return new + name[len(old):]
-    kind, _, index, rest = name.split(".", 3)
-    if kind == "vision":
-        for old, new in {"ln1.": "norm1.", "ln2.": "norm2."}.items():
-            rest = rest.replace(old, new)
-        return f"{visual}blocks.{index}.{rest}"
-    parts = {"attn.qkv.": "mixer.Wqkv.", "attn.proj.": "mixer.out_proj.", "mlp.router.": "gate.",
-             "attn.tau.alpha": "tau_alpha"}
-    if ".mlp.fc" in name and tensor.dim() == 3:  # the experts
-        parts = {"mlp.fc1.weight": "mlp.experts.weight", "mlp.fc2.weight": "mlp.output_experts.weight"}
-    for old, new in parts.items():
-        rest = rest.replace(old, new)
-    return f"text_model.transformer.h.{index}.{rest}"
-
-
 def test_kestrel_moondream3_checkpoint_with_fp8_experts_loads(tiny_dir, tmp_path):
     """Kestrel's Moondream 3 files (model_fp8.pt): legacy names, tau's two matrices as one, experts in FP8 with a
     scale per output row. Every tensor equals the current layout's, the experts their FP8 values times the scales;
-    the family is told from the names; an FP8 weight without its scale is refused by name."""
-    from kestrel_backend.model.weights import checkpoint_family
+    kept in FP8 (on a GPU) each expert's weights are the same; the family is told from the names; an FP8 weight
+    without its scale is refused by name."""
+    from benchmarks.kestrel_checkpoint import is_expert_weight, to_fp8, to_kestrel_layout
+    from kestrel_backend.model.weights import build_weights, checkpoint_family, is_moe_layer
 
     md3 = tiny_dir.parent / "md3-tiny"
     config = MoondreamConfig.from_file(md3 / "config.json")
     raw = load_file(str(md3 / "model.safetensors"))
-    kestrel, expected = {}, {}
+    kestrel = to_kestrel_layout(raw, config.text.n_layers)
+    expected = {}
     for name, tensor in raw.items():
-        if ".attn.tau.w" in name:
-            continue
-        if name.endswith("_features"):
-            tensor = tensor.T.contiguous()
-        if ".mlp.fc" in name and tensor.dim() == 3:  # the experts, in FP8
-            scale = tensor.float().abs().amax(dim=-1) / 448.0
-            fp8 = (tensor.float() / scale[..., None]).to(torch.float8_e4m3fn)
+        if is_expert_weight(name, tensor):
+            fp8, scale = to_fp8(tensor)
             expected[name.removeprefix("model.")] = fp8.float() * scale[..., None]
-            layer = name.split(".")[3]
-            kind = "up_scale" if ".fc1." in name else "down_scale"
-            kestrel[f"text_model.transformer.h.{layer}.moe_quant.{kind}"] = scale
-            tensor = fp8
-        kestrel[_kestrel_name(name, tensor)] = tensor
-    for i in range(config.text.n_layers):
-        wq, wv = raw[f"model.text.blocks.{i}.attn.tau.wq"], raw[f"model.text.blocks.{i}.attn.tau.wv"]
-        kestrel[f"text_model.transformer.h.{i}.tau_wqwv"] = torch.cat([wq, wv])
     folder = tmp_path / "kestrel"
     folder.mkdir()
     torch.save(kestrel, folder / "model_fp8.pt")
     assert checkpoint_family(folder) == "moondream3" and checkpoint_family(tiny_dir) == "moondream2"
 
     current, loaded = load_state(md3 / "model.safetensors", config), load_state(folder, config)
+    moe_layers = [i for i in range(config.text.n_layers) if is_moe_layer(config.text, i)]
     assert current.keys() == loaded.keys()
     for name in current:
         want = expected.get(name, current[name])
         assert torch.equal(loaded[name], want), name
     assert 0 < (loaded["text.blocks.2.mlp.fc1.weight"] - current["text.blocks.2.mlp.fc1.weight"]).abs().max() < 0.1
+
+    # kept FP8 (as on a GPU): the experts' FP8 weights and scales, each expert's weights those dequantised at load
+    kept = load_state(folder, config, keep_fp8=True)
+    assert kept["text.blocks.2.mlp.fc1.weight"].dtype == torch.float8_e4m3fn
+    scales = {f"text.blocks.{i}.mlp.fc{j}.weight_scale" for i in moe_layers for j in (1, 2)}
+    assert kept.keys() - loaded.keys() == scales
+    moe = build_weights(kept, config, torch.float32, "cpu").text.blocks[2].moe
+    assert moe.fc1.dtype == torch.float8_e4m3fn and moe.fc2_scale.shape == moe.fc2.shape[:2]
+    for e in range(moe.fc1.shape[0]):
+        fc1, fc2 = moe.expert(e, torch.float32)
+        assert torch.equal(fc1, loaded["text.blocks.2.mlp.fc1.weight"][e])
+        assert torch.equal(fc2, loaded["text.blocks.2.mlp.fc2.weight"][e])
 
     del kestrel["text_model.transformer.h.2.moe_quant.down_scale"]
     torch.save(kestrel, folder / "model_fp8.pt")

@@ -88,14 +88,15 @@ def moe_mlp(x: torch.Tensor, moe: MoE) -> torch.Tensor:
     if x.is_cuda:
         from ..runtime.moe_kernels import moe_mlp_cuda
 
-        return moe_mlp_cuda(x, moe.router.weight, moe.router.bias, moe.fc1, moe.fc2, moe.top_k)
+        return moe_mlp_cuda(x, moe)
     top_ids, weights = route_tokens(x, moe.router.weight, moe.router.bias, moe.top_k)
     out = torch.zeros_like(x)
     inner = moe.fc2.shape[-1]
     for expert in torch.unique(top_ids).tolist():
         rows, slot = (top_ids == expert).nonzero(as_tuple=True)
-        h, g = F.linear(x[rows], moe.fc1[expert]).split(inner, dim=-1)
-        y = F.linear(F.gelu(h) * (g + 1.0), moe.fc2[expert])
+        fc1, fc2 = moe.expert(expert, x.dtype)
+        h, g = F.linear(x[rows], fc1).split(inner, dim=-1)
+        y = F.linear(F.gelu(h) * (g + 1.0), fc2)
         out.index_add_(0, rows, y * weights[rows, slot, None])
     return out
 

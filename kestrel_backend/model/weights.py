@@ -16,6 +16,7 @@ the config implies, and turned into plain tensors grouped in small dataclasses.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,9 @@ import torch
 
 from .config import MoondreamConfig
 from .packed import PackedWeight
+
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -84,6 +88,16 @@ class MoE:
     fc1: torch.Tensor  # [E, 2 * inner, dim]
     fc2: torch.Tensor  # [E, dim, inner]
     top_k: int
+    # Kestrel's FP8 checkpoints on a GPU: fc1 and fc2 stay FP8 (e4m3), weight = fp8 * the float32 scale of its row
+    fc1_scale: torch.Tensor | None = None  # [E, 2 * inner]
+    fc2_scale: torch.Tensor | None = None  # [E, dim]
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's fc1 and fc2 weights in dtype (FP8 ones times their scales, in float32 first)."""
+        def weight(w, scale):
+            return w[e].to(dtype) if scale is None else (w[e].float() * scale[e, :, None]).to(dtype)
+
+        return weight(self.fc1, self.fc1_scale), weight(self.fc2, self.fc2_scale)
 
 
 @dataclass
@@ -336,8 +350,13 @@ def _dequantize_state(state: dict[str, torch.Tensor], expected: dict, config: Mo
             state[base] = dequantize(parts["packed"], parts["scale"], parts["zero_point"], shape)
 
 
-def _dequantize_fp8(state: dict[str, torch.Tensor], source: str, dtype: torch.dtype) -> None:
-    """Replace every FP8 weight and its scale per output row by weight * scale in dtype, one tensor at a time."""
+def _is_expert_weight(name: str, tensor: torch.Tensor) -> bool:
+    return tensor.dim() == 3 and name.endswith((".mlp.fc1.weight", ".mlp.fc2.weight"))
+
+
+def _dequantize_fp8(state: dict[str, torch.Tensor], source: str, dtype: torch.dtype, keep_experts: bool) -> None:
+    """Replace every FP8 weight and its scale per output row by weight * scale in dtype, one tensor at a time; with
+    keep_experts the experts' FP8 weights stay, their scales beside them as float32 [E, rows]."""
     for name in [n for n, t in state.items() if t.dtype == torch.float8_e4m3fn]:
         scale = state.pop(name + FP8_SCALE, None)
         if scale is None:
@@ -347,9 +366,14 @@ def _dequantize_fp8(state: dict[str, torch.Tensor], source: str, dtype: torch.dt
         if scale.numel() != weight.shape[0] * weight.shape[1]:
             raise CheckpointError(f"{source}: tensor '{name}{FP8_SCALE}' has shape {tuple(scale.shape)}, expected "
                                   f"{tuple(weight.shape[:2])} (one scale a row of {tuple(weight.shape)})")
-        state[name] = (weight.float() * scale.float().reshape(*weight.shape[:2], 1)).to(dtype)
+        scale = scale.float().reshape(weight.shape[:2])
+        if keep_experts and _is_expert_weight(name, weight):
+            state[name + FP8_SCALE] = scale
+        else:
+            state[name] = (weight.float() * scale[..., None]).to(dtype)
     for name in [n for n in state if n.endswith(FP8_SCALE)]:
-        raise CheckpointError(f"{source}: unexpected tensor '{name}' (a scale whose weight is not FP8)")
+        if state.get(name.removesuffix(FP8_SCALE), torch.empty(0)).dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{source}: unexpected tensor '{name}' (a scale whose weight is not FP8)")
 
 
 def _split_tau(state: dict[str, torch.Tensor]) -> None:
@@ -360,9 +384,10 @@ def _split_tau(state: dict[str, torch.Tensor]) -> None:
 
 
 def load_state(path: str | Path, config: MoondreamConfig, keep_packed: bool = False,
-               dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+               dtype: torch.dtype = torch.float32, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
     """Read, normalise and validate every tensor (4-bit ones dequantised, or with keep_packed the text blocks' kept
-    4-bit: PackedWeight; FP8 ones dequantised to dtype); errors name the tensor and the file."""
+    4-bit: PackedWeight; FP8 ones dequantised to dtype, or with keep_fp8 the experts' kept FP8 with their scales as
+    '<name>_scale'); errors name the tensor and the file."""
     state: dict[str, torch.Tensor] = {}
     files = checkpoint_files(path)
     for file in files:
@@ -370,13 +395,13 @@ def load_state(path: str | Path, config: MoondreamConfig, keep_packed: bool = Fa
             state[name] = tensor
     source = ", ".join(str(f) for f in files)
     expected = expected_shapes(config)
-    _dequantize_fp8(state, source, dtype)
+    _dequantize_fp8(state, source, dtype, keep_fp8)
     _split_tau(state)
     _dequantize_state(state, expected, config, source, keep_packed)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"{source}: missing tensor '{missing[0]}'" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    extra = sorted(set(state) - set(expected))
+    extra = sorted(set(state) - set(expected) - {name + FP8_SCALE for name in expected})
     if extra:
         raise CheckpointError(f"{source}: unexpected tensor '{extra[0]}'" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
     for name, shape in expected.items():
@@ -399,6 +424,11 @@ def build_weights(state: dict[str, torch.Tensor], config: MoondreamConfig,
     def mlp(name):
         return MLP(linear(f"{name}.fc1"), linear(f"{name}.fc2"))
 
+    def experts(name):  # -> (weight in dtype, None) or (FP8 weight, its float32 scales)
+        if state[name].dtype != torch.float8_e4m3fn:
+            return t(name), None
+        return state[name].to(device).contiguous(), state[name + FP8_SCALE].to(device).contiguous()
+
     patch_emb = linear("vision.patch_emb")
     vision_blocks = [VisionBlock(norm(f"vision.blocks.{i}.ln1"), linear(f"vision.blocks.{i}.attn.qkv"),
                                  linear(f"vision.blocks.{i}.attn.proj"), norm(f"vision.blocks.{i}.ln2"),
@@ -417,8 +447,8 @@ def build_weights(state: dict[str, torch.Tensor], config: MoondreamConfig,
         if tc.tau_attn:
             tau = Tau(t(f"{b}.attn.tau.alpha"), torch.cat([t(f"{b}.attn.tau.wq"), t(f"{b}.attn.tau.wv")]))
         if is_moe_layer(tc, i):
-            moe = MoE(linear(f"{b}.mlp.router"), t(f"{b}.mlp.fc1.weight"), t(f"{b}.mlp.fc2.weight"),
-                      tc.moe.n_experts_per_tok)
+            (fc1, fc1_scale), (fc2, fc2_scale) = experts(f"{b}.mlp.fc1.weight"), experts(f"{b}.mlp.fc2.weight")
+            moe = MoE(linear(f"{b}.mlp.router"), fc1, fc2, tc.moe.n_experts_per_tok, fc1_scale, fc2_scale)
             proj = linear(f"{b}.attn.proj")
             return TextBlock(norm(f"{b}.ln"), linear(f"{b}.attn.qkv"), proj, None, proj.bias, tau, moe)
         block = _text_block(norm(f"{b}.ln"), linear(f"{b}.attn.qkv"), linear(f"{b}.attn.proj"), mlp(f"{b}.mlp"))
@@ -458,11 +488,16 @@ def _text_block(ln: LayerNorm, qkv: Linear, proj: Linear, mlp: MLP) -> TextBlock
 
 
 def load_weights(path: str | Path, config: MoondreamConfig, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> MoondreamWeights:
-    """On a GPU the text blocks' 4-bit weights stay 4-bit (the decode step reads them packed); elsewhere they are
+                 device: str | torch.device = "cpu", keep_fp8_experts: bool = False) -> MoondreamWeights:
+    """On a GPU the text blocks' 4-bit weights stay 4-bit (the decode step reads them packed), and with
+    keep_fp8_experts FP8 experts stay FP8 (the expert kernels read them and their scales); elsewhere they are
     dequantised once."""
-    keep_packed = torch.device(device).type == "cuda"
-    return build_weights(load_state(path, config, keep_packed, dtype), config, dtype, device)
+    on_gpu = torch.device(device).type == "cuda"
+    if keep_fp8_experts and on_gpu and torch.cuda.get_device_capability(device) < (8, 9):
+        log.warning("KESTREL_KEEP_FP8_EXPERTS: this GPU has no FP8 (e4m3) conversions (before Ada); experts widened")
+        keep_fp8_experts = False
+    state = load_state(path, config, on_gpu, dtype, keep_fp8=on_gpu and keep_fp8_experts)
+    return build_weights(state, config, dtype, device)
 
 
 def checkpoint_family(path: str | Path) -> str:

@@ -157,8 +157,7 @@ def _moondream3_mlp(h: torch.Tensor, block) -> tuple[torch.Tensor, int]:
     """-> (the dense MLP's output, 0), or (each token's expert rows unsummed, top_k)."""
     if block.moe is None:
         return mlp(h, block.mlp), 0
-    moe = block.moe
-    return moe_mlp_cuda(h, moe.router.weight, moe.router.bias, moe.fc1, moe.fc2, moe.top_k, summed=False), moe.top_k
+    return moe_mlp_cuda(h, block.moe, summed=False), block.moe.top_k
 
 
 def _step_counters(layers: int, heads: int, rows: int, one_kernel: bool, greedy: bool, device):

@@ -7,12 +7,13 @@ columns and runs every pair routed to that expert through fc1 (tiles of 16 rows 
 tensor-core dots), reading the expert's weights once a tile, then applies gelu(h) * (g + 1). `_moe_down_kernel`
 does the same through fc2 and scales each row by its routing weight; the k rows of a token are summed in float32
 at the end (in decode steps by residual_kernels, with the residual). Experts no token chose cost one program that
-returns at once.
+returns at once. FP8 experts (Kestrel's checkpoints) are read as FP8, half the bytes, widened to the activations'
+type in the kernels, and each output column scaled by its row's float32 scale after the dot.
 
 Long bf16 prefills on Hopper and later take another path (`_moe_mlp_grouped`): the pairs' rows gathered in
 expert order, both matmuls as torch's grouped GEMM (CUTLASS: about 600 TFLOP/s on an H100 where the kernels
 above reach 200, their programs each looping over one expert's rows), gelu(h) * (g + 1) and the weighted sum of a
-token's k rows as one pass each.
+token's k rows as one pass each; FP8 experts are first widened to bf16 (weight * scale, one pass) into scratch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..model.text import top_experts
+from ..model.weights import MoE
 
 
 @triton.jit
@@ -34,9 +36,9 @@ def _pair_rows(order_ptr, r0, end, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, x_stride, w1_ptr, order_ptr, starts_ptr, act_ptr, K: tl.constexpr, I: tl.constexpr,
+def _moe_up_kernel(x_ptr, x_stride, w1_ptr, s1_ptr, order_ptr, starts_ptr, act_ptr, K: tl.constexpr, I: tl.constexpr,
                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, SCALED: tl.constexpr):
     e, nb = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(starts_ptr + e), tl.load(starts_ptr + e + 1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -44,6 +46,9 @@ def _moe_up_kernel(x_ptr, x_stride, w1_ptr, order_ptr, starts_ptr, act_ptr, K: t
     offs_k = tl.arange(0, BLOCK_K)
     w_h = w1_ptr + e.to(tl.int64) * (2 * I * K) + offs_n[None, :] * K + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     w_g = w_h + I * K
+    if SCALED:  # (FP8 weights: a scale a row of fc1, i.e. a column here)
+        s_h = tl.load(s1_ptr + e * (2 * I) + offs_n, mask=n_mask, other=0.0)
+        s_g = tl.load(s1_ptr + e * (2 * I) + I + offs_n, mask=n_mask, other=0.0)
     for r0 in range(start, end, BLOCK_M):
         rows, r_mask, pair = _pair_rows(order_ptr, r0, end, BLOCK_M)
         x_rows = x_ptr + (pair // TOP_K)[:, None].to(tl.int64) * x_stride + offs_k[None, :]
@@ -51,16 +56,22 @@ def _moe_up_kernel(x_ptr, x_stride, w1_ptr, order_ptr, starts_ptr, act_ptr, K: t
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xs = tl.load(x_rows + k0, mask=r_mask[:, None], other=0.0)
-            acc_h = tl.dot(xs, tl.load(w_h + k0, mask=n_mask[None, :], other=0.0), acc_h, input_precision=PRECISION)
-            acc_g = tl.dot(xs, tl.load(w_g + k0, mask=n_mask[None, :], other=0.0), acc_g, input_precision=PRECISION)
+            acc_h = tl.dot(xs, tl.load(w_h + k0, mask=n_mask[None, :], other=0.0).to(xs.dtype), acc_h,
+                           input_precision=PRECISION)
+            acc_g = tl.dot(xs, tl.load(w_g + k0, mask=n_mask[None, :], other=0.0).to(xs.dtype), acc_g,
+                           input_precision=PRECISION)
+        if SCALED:
+            acc_h *= s_h[None, :]
+            acc_g *= s_g[None, :]
         act = 0.5 * acc_h * (1.0 + tl.math.erf(acc_h * 0.7071067811865476)) * (acc_g + 1.0)  # exact GELU
         tl.store(act_ptr + rows[:, None].to(tl.int64) * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, w2_ptr, order_ptr, starts_ptr, gates_ptr, out_ptr, N: tl.constexpr, I: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, order_ptr, starts_ptr, gates_ptr, out_ptr, N: tl.constexpr,
+                     I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr, SCALED: tl.constexpr):
     e, nb = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(starts_ptr + e), tl.load(starts_ptr + e + 1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,8 +83,11 @@ def _moe_down_kernel(act_ptr, w2_ptr, order_ptr, starts_ptr, gates_ptr, out_ptr,
         a_rows = act_ptr + rows[:, None].to(tl.int64) * I + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
-            acc = tl.dot(tl.load(a_rows + k0, mask=r_mask[:, None], other=0.0),
-                         tl.load(w + k0, mask=n_mask[None, :], other=0.0), acc, input_precision=PRECISION)
+            a = tl.load(a_rows + k0, mask=r_mask[:, None], other=0.0)
+            acc = tl.dot(a, tl.load(w + k0, mask=n_mask[None, :], other=0.0).to(a.dtype), acc,
+                         input_precision=PRECISION)
+        if SCALED:
+            acc *= tl.load(s2_ptr + e * N + offs_n, mask=n_mask, other=0.0)[None, :]
         gate = tl.load(gates_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + pair[:, None].to(tl.int64) * N + offs_n[None, :], acc * gate[:, None],
                  mask=r_mask[:, None] & n_mask[None, :])
@@ -110,6 +124,16 @@ def _gated_gelu_kernel(h_ptr, act_ptr, P, I: tl.constexpr, BLOCK_P: tl.constexpr
     g = tl.load(h_rows + I, mask=mask, other=0.0).to(tl.float32)
     act = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476)) * (g + 1.0)  # exact GELU
     tl.store(act_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _widen_rows_kernel(w_ptr, s_ptr, out_ptr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[row] = w[row] * s[row] in float32, stored in out's type (as the loader's dequantisation)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < COLS
+    w = tl.load(w_ptr + row * COLS + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * COLS + cols, (w * tl.load(s_ptr + row)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -266,11 +290,22 @@ def combine_rows(y: torch.Tensor, where: torch.Tensor, gates: torch.Tensor, dtyp
     return out
 
 
+def widened(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Experts' weights [E, rows, cols] in dtype: FP8 ones times their row scales [E, rows] (float32 products)."""
+    if scale is None:
+        return weight
+    out = torch.empty(weight.shape, device=weight.device, dtype=dtype)
+    rows, cols = weight.shape[0] * weight.shape[1], weight.shape[2]
+    _widen_rows_kernel[(rows, triton.cdiv(cols, 1024))](weight, scale, out, COLS=cols, BLOCK=1024, num_warps=4)
+    return out
+
+
 def _moe_mlp_grouped(x: torch.Tensor, gates: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
-                     fc1: torch.Tensor, fc2: torch.Tensor, top_k: int) -> torch.Tensor:
+                     moe: MoE) -> torch.Tensor:
     """The expert MLP with torch's grouped GEMM over the pairs in expert order (starts[e + 1]: where expert e's
     rows end)."""
-    ends = starts[1:]
+    ends, top_k = starts[1:], moe.top_k
+    fc1, fc2 = widened(moe.fc1, moe.fc1_scale, x.dtype), widened(moe.fc2, moe.fc2_scale, x.dtype)
     h = torch._grouped_mm(x.index_select(0, order // top_k), fc1.transpose(1, 2), offs=ends)
     y = torch._grouped_mm(gated_gelu(h), fc2.transpose(1, 2), offs=ends)
     where = torch.empty_like(order)
@@ -283,23 +318,26 @@ def _grouped_gemm_pays(x: torch.Tensor, pairs: int) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
-def moe_mlp_cuda(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, fc1: torch.Tensor,
-                 fc2: torch.Tensor, top_k: int, summed: bool = True) -> torch.Tensor:
+def moe_mlp_cuda(x: torch.Tensor, moe: MoE, summed: bool = True) -> torch.Tensor:
     """[T, dim] -> [T, dim]: text.moe_mlp's result, computed as grouped work over the experts. summed=False: each
     token's top_k weighted expert rows instead, [T * top_k, dim] float32 (residual_norm sums them)."""
     t, d = x.shape
-    n_experts, inner = fc1.shape[0], fc1.shape[1] // 2
-    gates, order, starts = route_and_group(router_logits(x, router_weight, router_bias), top_k, x.dtype)
+    top_k = moe.top_k
+    n_experts, inner = moe.fc1.shape[0], moe.fc1.shape[1] // 2
+    gates, order, starts = route_and_group(router_logits(x, moe.router.weight, moe.router.bias), top_k, x.dtype)
     pairs = t * top_k
     if summed and _grouped_gemm_pays(x, pairs):
-        return _moe_mlp_grouped(x, gates, order, starts, fc1, fc2, top_k)
+        return _moe_mlp_grouped(x, gates, order, starts, moe)
     up, down = _tiles(t, x.dtype)
     assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0 and x.stride(1) == 1
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(pairs, d, device=x.device, dtype=torch.float32)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)
+    scaled = moe.fc1_scale is not None
     _moe_up_kernel[(n_experts, triton.cdiv(inner, up["BLOCK_N"]))](
-        x, x.stride(0), fc1, order, starts, act, K=d, I=inner, TOP_K=top_k, PRECISION=precision, **up)
+        x, x.stride(0), moe.fc1, moe.fc1_scale if scaled else moe.fc1, order, starts, act, K=d, I=inner, TOP_K=top_k,
+        PRECISION=precision, SCALED=scaled, **up)
     _moe_down_kernel[(n_experts, triton.cdiv(d, down["BLOCK_N"]))](
-        act, fc2, order, starts, gates.reshape(-1), out, N=d, I=inner, PRECISION=precision, **down)
+        act, moe.fc2, moe.fc2_scale if scaled else moe.fc2, order, starts, gates.reshape(-1), out, N=d, I=inner,
+        PRECISION=precision, SCALED=scaled, **down)
     return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
