@@ -71,7 +71,7 @@ class RuntimeConfig:
     image_workers: int = 0  # threads decoding and cropping images (0: from the machine's CPU count)
     seg_refiner_path: str = ""  # Moondream 3's segment refiner: model.pt (or a folder holding it)
     keep_fp8_experts: int = 0  # 1: FP8 experts (Kestrel's Moondream 3 files) stay FP8 on a GPU: 8 GB less memory,
-    # faster decode steps of many rows, slower single-row steps and prefills (PERFORMANCE.md); 0: widened to dtype
+    # faster decode steps of many rows, slower single-row steps and bursts (PERFORMANCE.md); 0: widened to dtype
     drain_timeout_s: int = 25  # a stopping server lets admitted requests run this long (below tritonserver's
     # --exit-timeout-secs, 30 by default), then ends the rest with an error
 
