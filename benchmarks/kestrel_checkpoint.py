@@ -10,6 +10,7 @@ dequantises the experts to bf16); the loader's test converts the tiny fixture wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel_backend.model.weights import MoE, is_expert_weight  # noqa: E402
 
 FP8_MAX = 448.0  # the largest e4m3 value
 _VISUAL = "vision_encoder.encoder.model.visual."
@@ -31,10 +34,6 @@ _FIXED = {"vision.patch_emb.": _VISUAL + "patch_embed.linear.", "vision.pos_emb"
           "region.coord_decoder.": "region_model.coordinate_head.",
           "region.size_decoder.": "region_model.size_head.",
           "region.ln.": "region_model.ln."}
-
-
-def is_expert_weight(name: str, tensor: torch.Tensor) -> bool:
-    return ".mlp.fc" in name and tensor.dim() == 3
 
 
 def kestrel_name(name: str, tensor: torch.Tensor) -> str:
@@ -59,6 +58,12 @@ def to_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, rows, cols] -> (FP8 weight, float32 scale per row [E, rows]): weight ~ fp8 * scale."""
     scale = weight.float().abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
     return (weight.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def fp8_experts(moe: MoE) -> MoE:
+    """The same MoE layer with its experts in FP8 and a float32 scale a row, as KESTREL_KEEP_FP8_EXPERTS keeps them."""
+    (fc1, fc1_scale), (fc2, fc2_scale) = to_fp8(moe.fc1), to_fp8(moe.fc2)
+    return dataclasses.replace(moe, fc1=fc1, fc2=fc2, fc1_scale=fc1_scale, fc2_scale=fc2_scale)
 
 
 def to_kestrel_layout(state: dict[str, torch.Tensor], n_layers: int, device: str = "cpu") -> dict[str, torch.Tensor]:

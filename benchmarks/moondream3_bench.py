@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_bench import (ROOT, ceilings, decode_steps, engine_golden_check, table,  # noqa: E402
                                   text_weight_bytes)
-from benchmarks.kestrel_checkpoint import to_fp8, to_kestrel_layout  # noqa: E402
+from benchmarks.kestrel_checkpoint import fp8_experts, to_kestrel_layout  # noqa: E402
 from kestrel_backend.config import RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
-from kestrel_backend.parity import COORD_TOL, submit_case  # noqa: E402
+from kestrel_backend.parity import json_close, submit_case  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.seg_refiner import RefinerHead  # noqa: E402
@@ -87,17 +87,6 @@ def refine_latency(model: Moondream) -> dict:
     return {"gpu_encoder_and_head_ms_median": round(sorted(times[3:])[10], 2)}
 
 
-def _same(a, b) -> bool:
-    """Two outputs equal, numbers (coordinates) within the parity check's tolerance."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and isinstance(b, float):
-        return abs(a - b) <= COORD_TOL
-    return a == b
-
-
 def fp8_agreement() -> dict:
     """md3-tiny with its experts in FP8 (Kestrel's layout): the float32 GPU engine, which keeps them FP8 (its expert
     kernels scale after the dot), against the CPU engine, which dequantises them at load: every text, point and
@@ -126,7 +115,7 @@ def fp8_agreement() -> dict:
                     fc1 = next(b.moe.fc1 for b in engine.model.weights.text.blocks if b.moe is not None)
             finally:
                 engine.shutdown()
-    same = sum(_same(a, b) for a, b in zip(outputs["cpu"], outputs["cuda"]))
+    same = sum(json_close(a, b) for a, b in zip(outputs["cpu"], outputs["cuda"]))
     return {"fp8_experts_gpu_equal_cpu": f"{same}/{len(cases)}", "gpu_expert_dtype": str(fc1.dtype)}
 
 
@@ -134,8 +123,7 @@ def experts_to_fp8(model: Moondream) -> None:
     """The model's experts in FP8 with a float32 scale a row, in place, layer by layer."""
     for block in model.weights.text.blocks:
         if block.moe is not None:
-            (block.moe.fc1, block.moe.fc1_scale), (block.moe.fc2, block.moe.fc2_scale) = \
-                to_fp8(block.moe.fc1), to_fp8(block.moe.fc2)
+            block.moe = fp8_experts(block.moe)
     torch.cuda.empty_cache()
 
 

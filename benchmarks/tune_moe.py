@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import graph_timed  # noqa: E402
 from kestrel_backend.model.config import MoeConfig  # noqa: E402
-from benchmarks.kestrel_checkpoint import to_fp8  # noqa: E402
+from benchmarks.kestrel_checkpoint import fp8_experts  # noqa: E402
 from kestrel_backend.model.weights import Linear, MoE  # noqa: E402
 from kestrel_backend.runtime import moe_kernels as mk  # noqa: E402
 
@@ -109,7 +109,7 @@ def main() -> None:
     router_b = torch.zeros(m.n_experts, device="cuda", dtype=torch.bfloat16)
     moe = MoE(Linear(router_w, router_b), fc1, fc2, m.n_experts_per_tok)
     if "--fp8" in sys.argv:  # the experts as Kestrel's checkpoints hold them
-        (moe.fc1, moe.fc1_scale), (moe.fc2, moe.fc2_scale) = to_fp8(fc1), to_fp8(fc2)
+        moe = fp8_experts(moe)
     if "--one-token" in sys.argv:
         return one_token_sweep()
     if "--decode" in sys.argv:

@@ -170,7 +170,7 @@ class Checker:
         ref = case["output"]["segments"][0]
         ours = coarse_segment(ref["object"], self.model.tokenizer, text_ids, coords, sizes)
         keys = [k for k in ref if k not in ("svg_path", "bbox", "parse_error")]
-        bad = [k for k in keys if not _close(ours.get(k), ref[k])]
+        bad = [k for k in keys if not json_close(ours.get(k), ref[k])]
         if ("parse_error" in ours) != ("parse_error" in ref):
             bad.append("parse_error")
         image = self.image(case["image"])
@@ -197,12 +197,12 @@ class Checker:
             drawn = segment_masks.path_mask(segment_masks.outline(refined, box), box, w, h)
             iou = np.logical_and(drawn, refined).sum() / max(np.logical_or(drawn, refined).sum(), 1)
             bad += [] if differ <= MASK_DIFF_TOL * refined.size else ["refined mask"]
-            bad += [] if _close(box, ref["bbox"]) else ["refined bbox"]
+            bad += [] if json_close(box, ref["bbox"]) else ["refined bbox"]
             bad += [] if iou >= OUTLINE_IOU else ["outline"]
             notes.append(f"refined mask {differ} px differ of {int(expected.sum())}, outline IoU {iou:.3f}")
         elif refined is not None and refined.any():
             bad.append("refined (the reference kept the coarse result)")
-        elif ours["svg_path"] != ref["svg_path"] or not _close(ours.get("bbox"), ref.get("bbox")):
+        elif ours["svg_path"] != ref["svg_path"] or not json_close(ours.get("bbox"), ref.get("bbox")):
             bad.append("svg_path/bbox")
         return not bad, (f"DIFFER: {', '.join(bad)}; " if bad else "equal keys; ") + ", ".join(notes)
 
@@ -214,12 +214,12 @@ class Checker:
         return not bad, f"{len(current)} tensors, {len(bad)} differ" + (f" (first: {bad[0]})" if bad else "")
 
 
-def _close(a, b) -> bool:
+def json_close(a, b) -> bool:
     """Equal JSON values, floats within COORD_TOL."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(json_close(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(json_close(x, y) for x, y in zip(a, b))
     if isinstance(a, float) or isinstance(b, float):
         return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= COORD_TOL
     return a == b
@@ -265,7 +265,7 @@ def result_matches(engine, case: dict, result) -> bool:
     if case["kind"] == "segment":  # (the golden decode cases' outlines do not parse: nothing to refine)
         got, want = result.output["segments"][0], case["output"]["segments"][0]
         return result.finish_reason == case["finish_reason"] and ("parse_error" in got) == ("parse_error" in want) \
-            and all(_close(got.get(k), want[k]) for k in want if k not in ("object", "parse_error"))
+            and all(json_close(got.get(k), want[k]) for k in want if k not in ("object", "parse_error"))
     key = "points" if case["kind"] == "point" else "objects"
     got = result.output[key]
     return len(got) == len(case[key]) and all(abs(o[k] - min(1.0, max(0.0, g[k]))) <= COORD_TOL

@@ -3,7 +3,6 @@ on them, checked on the CPU with Triton's interpreter against the plain torch pa
 float32 only: the interpreter computes bfloat16 tl.dot wrongly (numpy has no bfloat16); the bfloat16
 kernels are checked on the GPU by benchmarks/gpu_bench.py."""
 
-import dataclasses
 import os
 
 import pytest
@@ -621,14 +620,6 @@ def random_moe(gen: torch.Generator, dim: int, inner: int, experts: int, top_k: 
                torch.randn(experts, dim, inner, generator=gen) / inner ** 0.5, top_k)
 
 
-def with_fp8_experts(moe):
-    """The same layer with its experts in FP8 and a float32 scale a row (Kestrel's checkpoints)."""
-    from benchmarks.kestrel_checkpoint import to_fp8
-
-    (fc1, s1), (fc2, s2) = to_fp8(moe.fc1), to_fp8(moe.fc2)
-    return dataclasses.replace(moe, fc1=fc1, fc2=fc2, fc1_scale=s1, fc2_scale=s2)
-
-
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("tokens, top_k", [(1, 3), (5, 3), (40, 2), (64, 8), (300, 3), (1400, 3)])
 def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, fp8, monkeypatch):
@@ -638,6 +629,7 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, fp8, monkeypatc
     expert; at 1 the bf16 tiles of one token; up to 16 tokens the router's logits come from its own kernel)
     against text.moe_mlp's loop; with FP8 experts (read as FP8, scaled after the dot) against the loop over the
     experts times their scales."""
+    from benchmarks.kestrel_checkpoint import fp8_experts
     from kestrel_backend.model.text import moe_mlp
     from kestrel_backend.runtime import moe_kernels as mk
 
@@ -650,7 +642,7 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, fp8, monkeypatc
     gen = torch.Generator().manual_seed(3)
     moe = random_moe(gen, dim=128, inner=128, experts=8, top_k=top_k)
     if fp8:
-        moe = with_fp8_experts(moe)
+        moe = fp8_experts(moe)
     x = torch.randn(tokens, 128, generator=gen)
     got = mk.moe_mlp_cuda(x, moe)
     assert rel_err(got, moe_mlp(x, moe)) < 1e-5
@@ -661,6 +653,7 @@ def test_grouped_gemm_path_matches_the_per_expert_loop(tokens, top_k, fp8):
     """The long-prefill path (rows gathered in expert order, torch's grouped GEMM, the gated GELU and the weighted
     sum of each token's rows as kernels of their own) against text.moe_mlp's loop; experts with no rows included;
     FP8 experts widened to the activations' type first."""
+    from benchmarks.kestrel_checkpoint import fp8_experts
     from kestrel_backend.model.text import moe_mlp
     from kestrel_backend.runtime import moe_kernels as mk
 
@@ -668,7 +661,7 @@ def test_grouped_gemm_path_matches_the_per_expert_loop(tokens, top_k, fp8):
     moe = random_moe(gen, dim=96, inner=80, experts=12, top_k=top_k)
     moe.router.bias[5] = -1e4  # (an expert no token chooses)
     if fp8:
-        moe = with_fp8_experts(moe)
+        moe = fp8_experts(moe)
     x = torch.randn(tokens, 96, generator=gen)
     gates, order, starts = mk.route_and_group(mk.router_logits(x, moe.router.weight, moe.router.bias), top_k, x.dtype)
     assert starts[5] == starts[6]

@@ -350,7 +350,8 @@ def _dequantize_state(state: dict[str, torch.Tensor], expected: dict, config: Mo
             state[base] = dequantize(parts["packed"], parts["scale"], parts["zero_point"], shape)
 
 
-def _is_expert_weight(name: str, tensor: torch.Tensor) -> bool:
+def is_expert_weight(name: str, tensor: torch.Tensor) -> bool:
+    """Moondream 3's stacked experts (either layout, once normalised: [E, rows, cols] of an MLP in a text block)."""
     return tensor.dim() == 3 and name.endswith((".mlp.fc1.weight", ".mlp.fc2.weight"))
 
 
@@ -367,7 +368,7 @@ def _dequantize_fp8(state: dict[str, torch.Tensor], source: str, dtype: torch.dt
             raise CheckpointError(f"{source}: tensor '{name}{FP8_SCALE}' has shape {tuple(scale.shape)}, expected "
                                   f"{tuple(weight.shape[:2])} (one scale a row of {tuple(weight.shape)})")
         scale = scale.float().reshape(weight.shape[:2])
-        if keep_experts and _is_expert_weight(name, weight):
+        if keep_experts and is_expert_weight(name, weight):
             state[name + FP8_SCALE] = scale
         else:
             state[name] = (weight.float() * scale[..., None]).to(dtype)
