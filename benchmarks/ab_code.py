@@ -5,7 +5,8 @@ clock drift hits them alike (separate runs differ by 5 to 10%). A tree is a dire
 kestrel_backend/ and benchmarks/, e.g. a commit's:
 
     git archive HEAD kestrel_backend benchmarks | tar -x -C /tmp/base
-    python benchmarks/ab_code.py /tmp/base . [--batches 1] [--contexts 64,800] [--rounds 2] [--out ab.json]
+    python benchmarks/ab_code.py /tmp/base . [--batches 1] [--contexts 64,800] [--rounds 2] [--model moondream3]
+        [--out ab.json]
 """
 
 import argparse
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 
-def measure(tree: str, batches: list[int], contexts: list[int], repeats: int) -> dict:
+def measure(tree: str, batches: list[int], contexts: list[int], repeats: int, model_name: str) -> dict:
     """Step milliseconds of tree's code, `repeats` times per (batch, context)."""
     sys.path.insert(0, str(Path(tree).resolve()))  # ahead of this tree and PYTHONPATH
     import torch
@@ -26,7 +27,7 @@ def measure(tree: str, batches: list[int], contexts: list[int], repeats: int) ->
     from kestrel_backend.model.weights import random_weights
 
     torch.manual_seed(0)
-    config = MoondreamConfig()
+    config = MoondreamConfig.official(model_name)
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
     out = {}
     for bsz in batches:
@@ -44,18 +45,19 @@ def main() -> int:
     p.add_argument("--contexts", default="64,800")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default="moondream2", choices=["moondream2", "moondream3"])
     p.add_argument("--measure", help="(internal) measure this tree and print JSON")
     p.add_argument("--out")
     args = p.parse_args()
     batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
     if args.measure:
-        print(json.dumps(measure(args.measure, batches, contexts, args.repeats)))
+        print(json.dumps(measure(args.measure, batches, contexts, args.repeats, args.model)))
         return 0
     runs = {tree: [] for tree in args.trees}
     for r in range(args.rounds):
         for tree in args.trees:
             done = subprocess.run([sys.executable, __file__, "--measure", tree, "--batches", args.batches,
-                                   "--contexts", args.contexts, "--repeats", str(args.repeats)],
+                                   "--contexts", args.contexts, "--repeats", str(args.repeats), "--model", args.model],
                                   capture_output=True, text=True)
             if done.returncode:
                 print(done.stderr[-3000:], file=sys.stderr)

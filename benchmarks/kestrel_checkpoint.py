@@ -61,7 +61,7 @@ def to_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_experts(moe: MoE) -> MoE:
-    """The same MoE layer with its experts in FP8 and a float32 scale a row, as KESTREL_KEEP_FP8_EXPERTS keeps them."""
+    """The same MoE layer with its experts in FP8 and a float32 scale a row, as KESTREL_FP8_EXPERTS=fp8 keeps them."""
     (fc1, fc1_scale), (fc2, fc2_scale) = to_fp8(moe.fc1), to_fp8(moe.fc2)
     return dataclasses.replace(moe, fc1=fc1, fc2=fc2, fc1_scale=fc1_scale, fc2_scale=fc2_scale)
 

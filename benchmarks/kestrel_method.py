@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel_backend.config import RuntimeConfig  # noqa: E402
+from kestrel_backend.config import FP8_EXPERT_MODES, RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model import vision  # noqa: E402
@@ -128,10 +128,10 @@ def summarize(mode: str, batch: int, pairs, bodies: list[dict], wall: float) -> 
             "output_tokens": sum(b["metrics"]["output_tokens"] for b in bodies)}
 
 
-def run_engine(model, batch: int, mode: str, pairs, warmup, max_step_tokens: int) -> dict:
+def run_engine(model, batch: int, mode: str, pairs, warmup, max_step_tokens: int, admit_group: int = 0) -> dict:
     settings = {"temperature": 0, "max_tokens": OUTPUT_TOKENS[mode]}
     engine = InferenceEngine(RuntimeConfig(device=str(model.device), max_batch_size=batch, max_queue=1 << 16,
-                                           max_step_tokens=max_step_tokens), model)
+                                           max_step_tokens=max_step_tokens, admit_group=admit_group), model)
     try:
         async def burst(items):
             return await asyncio.gather(*[engine.query(image, q, settings=settings) for image, q in items])
@@ -143,7 +143,7 @@ def run_engine(model, batch: int, mode: str, pairs, warmup, max_step_tokens: int
     finally:
         engine.shutdown()
     return {**summarize(mode, batch, pairs, [{"metrics": r.metrics} for r in results], wall),
-            "max_step_tokens": max_step_tokens}
+            "max_step_tokens": max_step_tokens, "admit_group": admit_group}
 
 
 def burst_part(url: str, items, max_tokens: int) -> dict:
@@ -220,8 +220,10 @@ def main() -> int:
     p.add_argument("--kestrel-rows", type=Path, help="Kestrel measured on this machine, to print beside ours")
     p.add_argument("--max-step-tokens", type=int, nargs="+", default=[RuntimeConfig.max_step_tokens],
                    help="the engine's step budgets to run, each in turn on a burst of its own (0: none)")
-    p.add_argument("--keep-fp8-experts", action="store_true",
-                   help="a checkpoint's FP8 experts (Kestrel's files) kept FP8, as KESTREL_KEEP_FP8_EXPERTS=1")
+    p.add_argument("--admit-groups", type=int, nargs="+", default=[RuntimeConfig.admit_group],
+                   help="the engine's admission groups (KESTREL_ADMIT_GROUP), each in turn on a burst of its own")
+    p.add_argument("--fp8-experts", default="widen", choices=FP8_EXPERT_MODES,
+                   help="what becomes of a checkpoint's FP8 experts (Kestrel's files): as KESTREL_FP8_EXPERTS")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     import torch
@@ -233,7 +235,7 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     if args.checkpoint:
         model = Moondream.from_checkpoint(args.checkpoint, dtype=torch.bfloat16 if cuda else torch.float32,
-                                          device="cuda" if cuda else "cpu", keep_fp8_experts=args.keep_fp8_experts)
+                                          device="cuda" if cuda else "cpu", fp8_experts=args.fp8_experts)
     else:
         config = MoondreamConfig.official(args.model)
         model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"),
@@ -254,9 +256,10 @@ def main() -> int:
     kestrel_side = json.loads(args.kestrel_rows.read_text()) if args.kestrel_rows else {}
     rows = []
     for batch in args.batch_sizes:
-        for mode, budget in [(mode, budget) for mode in args.modes for budget in args.max_step_tokens]:
+        runs = [(m, b, g) for m in args.modes for b in args.max_step_tokens for g in args.admit_groups]
+        for mode, budget, group in runs:
             pairs = fresh_burst()
-            row = run_engine(model, batch, mode, pairs, warmup, budget)
+            row = run_engine(model, batch, mode, pairs, warmup, budget, group)
             if ceilings:
                 tokens = [len(model.tokenizer.encode(q).ids) for _, q in pairs]
                 row["floor_req_per_s"] = len(pairs) / floor_s(model.config, pairs, tokens, OUTPUT_TOKENS[mode],
@@ -267,7 +270,7 @@ def main() -> int:
             rows += run_triton(batch, args.modes, fresh_burst, warmup, args.client_processes, args.checkpoint,
                                args.grpc_port)
             print(json.dumps(rows[-len(args.modes):]), flush=True)
-    print("\n| mode | batch | step budget | req/s | engine P50 ms | engine TTFT p50 ms | floor req/s "
+    print("\n| mode | batch | step budget, admit group | req/s | engine P50 ms | engine TTFT p50 ms | floor req/s "
           "| Kestrel published req/s (P50) | ours / published | Kestrel here req/s (P50) | ours / here |\n"
           + "| --- " * 11 + "|")
     for r in rows:
@@ -275,7 +278,8 @@ def main() -> int:
         pub = KESTREL_PUBLISHED[args.model][mode].get(r["batch"])
         here = kestrel_side.get(mode, {}).get(str(r["batch"]))
         r["kestrel_published"], r["kestrel_here"] = pub, here
-        print(f"| {r['mode']} | {r['batch']} | {r.get('max_step_tokens', '')} | {r['req_per_s']:.1f} | "
+        print(f"| {r['mode']} | {r['batch']} | {r.get('max_step_tokens', '')}, {r.get('admit_group', '')} | "
+              f"{r['req_per_s']:.1f} | "
               f"{r['engine_p50_ms']:.0f} | "
               f"{r['engine_ttft_p50_ms']:.0f} | {r.get('floor_req_per_s', float('nan')):.0f} | {_cell(pub)} | "
               f"{_ratio(r['req_per_s'], pub)} | {_cell(here)} | {_ratio(r['req_per_s'], here)} |")
@@ -283,7 +287,7 @@ def main() -> int:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "model": args.model,
                                         "date": time.strftime("%Y-%m-%d"), "ceilings": ceilings,
                                         "checkpoint": str(args.checkpoint or "random"),
-                                        "keep_fp8_experts": args.keep_fp8_experts,
+                                        "fp8_experts": args.fp8_experts,
                                         "images_per_burst": args.images, "rows": rows}, indent=1))
     return 0
 

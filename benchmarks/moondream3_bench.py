@@ -89,34 +89,37 @@ def refine_latency(model: Moondream) -> dict:
 
 def fp8_agreement() -> dict:
     """md3-tiny with its experts in FP8 (Kestrel's layout): the float32 GPU engine, which keeps them FP8 (its expert
-    kernels scale after the dot), against the CPU engine, which dequantises them at load: every text, point and
-    detect case (32 at once on the GPU) with the same outputs."""
+    kernels scale after the dot; with KESTREL_FP8_EXPERTS=both beside widened copies), against the CPU engine, which
+    dequantises them at load: every text, point and detect case (32 at once on the GPU) with the same outputs."""
     from safetensors.torch import load_file
 
     fixture = ROOT / "tests" / "fixtures" / "md3-tiny"
     config = MoondreamConfig.from_file(fixture / "config.json")
     cases = [c for c in json.loads((fixture / "cases.json").read_text())["cases"]
              if c["kind"] in ("query", "caption", "point", "detect") and not c.get("adapter")][:32]
-    outputs = {}
+    outputs, dtypes = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(to_kestrel_layout(load_file(str(fixture / "model.safetensors")), config.text.n_layers),
                    Path(tmp) / "model_fp8.pt")
         for name in ("config.json", "tokenizer.json"):
             shutil.copy(fixture / name, tmp)
-        for device in ("cpu", "cuda"):
+        for device, mode in (("cpu", "fp8"), ("cuda", "fp8"), ("cuda", "both")):
             engine = InferenceEngine.create(RuntimeConfig(model_path=tmp, device=device, dtype="float32",
-                                                          max_batch_size=32, keep_fp8_experts=1))
+                                                          max_batch_size=32, fp8_experts=mode))
             try:
                 async def run():
                     return await asyncio.gather(*[submit_case(engine, fixture, c) for c in cases])
 
-                outputs[device] = [r.output for r in asyncio.run(run())]
-                if device == "cuda":
-                    fc1 = next(b.moe.fc1 for b in engine.model.weights.text.blocks if b.moe is not None)
+                outputs[device, mode] = [r.output for r in asyncio.run(run())]
+                moe = next(b.moe for b in engine.model.weights.text.blocks if b.moe is not None)
+                dtypes[f"{device} {mode}"] = str(moe.fc1.dtype) + (" and widened" if moe.fc1_wide is not None else "")
             finally:
                 engine.shutdown()
-    same = sum(json_close(a, b) for a, b in zip(outputs["cpu"], outputs["cuda"]))
-    return {"fp8_experts_gpu_equal_cpu": f"{same}/{len(cases)}", "gpu_expert_dtype": str(fc1.dtype)}
+    res = {}
+    for mode in ("fp8", "both"):
+        same = sum(json_close(a, b) for a, b in zip(outputs["cpu", "fp8"], outputs["cuda", mode]))
+        res[f"fp8_experts_{mode}_gpu_equal_cpu"] = f"{same}/{len(cases)}"
+    return res | {"expert_dtypes": dtypes}
 
 
 def experts_to_fp8(model: Moondream) -> None:

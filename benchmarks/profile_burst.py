@@ -54,7 +54,10 @@ TIMED_ON_GPU = {"encode (launch)", "prefill (launch)", "decode (launch)"}  # the
 
 
 def _rows(label: str, args, kwargs) -> int:
-    """The rows a prefill launch computes (its sequences' prompts, less what the prefix cache holds)."""
+    """The rows a prefill launch computes (its sequences' prompts, less what the prefix cache holds), or a decode
+    step's (its sequences)."""
+    if label == "decode (launch)":
+        return len(args[1])
     if label != "prefill (launch)" or not kwargs.get("prefill", args[2] if len(args) > 2 else False):
         return 0
     return sum(seq.prefix_len + len(seq.token_ids) - seq.length for seq in args[1])
@@ -192,6 +195,9 @@ def main() -> int:
         torch.cuda.synchronize()
     gpu_ms = {label: sum(a.elapsed_time(b) for a, b, _ in spans) for label, spans in gpu_spans.items()}
     prefills = [(rows, round(a.elapsed_time(b), 3)) for a, b, rows in gpu_spans.get("prefill (launch)", [])]
+    decodes = collections.defaultdict(list)  # rows -> GPU ms of each decode step of that many rows
+    for a, b, rows in gpu_spans.get("decode (launch)", []):
+        decodes[rows].append(a.elapsed_time(b))
     events = prof.events()
     busy = busy_intervals(events)
     marks = sorted((e.time_range.start, e.time_range.end, e.name[len(PREFIX):]) for e in events
@@ -213,6 +219,8 @@ def main() -> int:
         "gpu_ms_by_phase (CUDA events around the launches)": gpu_ms,
         "top_kernels_ms": top_kernels(events),
         "prefill_steps (rows, GPU ms)": prefills,
+        "decode_steps (rows: count, mean GPU ms)": {rows: (len(ms), round(sum(ms) / len(ms), 3))
+                                                    for rows, ms in sorted(decodes.items())},
         "timeline (start us, end us, name)": timeline(events, busy, args.timeline_ms) if busy else [],
         "prefill_ms_p50": sorted(r.metrics["prefill_time_ms"] for r in results)[len(results) // 2],
     }

@@ -13,6 +13,7 @@ from pathlib import Path
 
 TINY_CHECKPOINT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny"
 DTYPES = ("float32", "bfloat16", "float16")
+FP8_EXPERT_MODES = ("widen", "fp8", "both")  # KESTREL_FP8_EXPERTS
 
 
 def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -55,6 +56,8 @@ class RuntimeConfig:
     max_batch_size: int = 32
     max_step_tokens: int = 16384  # new work a step takes on: prompt tokens to prefill, an image to encode counted as
     # the text tokens of equal matmul work (0: no limit; a request larger than this runs in a step of its own)
+    admit_group: int = 0  # while more requests wait than there are free slots, admit none until this many slots
+    # are free (0: as slots free): fewer, larger prefill steps, each reading every weight once
     max_queue: int = 256
     page_size: int = 16
     kv_pages: int = 0  # 0: enough for max_batch_size full contexts
@@ -70,15 +73,16 @@ class RuntimeConfig:
     max_adapter_rank: int = 32  # the device pool holds KESTREL_MAX_ADAPTERS slots of this rank
     image_workers: int = 0  # threads decoding and cropping images (0: from the machine's CPU count)
     seg_refiner_path: str = ""  # Moondream 3's segment refiner: model.pt (or a folder holding it)
-    keep_fp8_experts: int = 0  # 1: FP8 experts (Kestrel's Moondream 3 files) stay FP8 on a GPU: 8 GB less memory,
-    # faster decode steps of many rows, slower single-row steps and bursts (PERFORMANCE.md); 0: widened to dtype
+    fp8_experts: str = "widen"  # FP8 experts (Kestrel's Moondream 3 files) on a GPU: widen (to dtype, at load),
+    # fp8 (kept FP8: 8 GB less, faster steps of many rows, slower one-row steps and prefills) or both (8 GB more than
+    # widen: FP8 in steps of 2 to 128 tokens, widened elsewhere); PERFORMANCE.md has the figures
     drain_timeout_s: int = 25  # a stopping server lets admitted requests run this long (below tritonserver's
     # --exit-timeout-secs, 30 by default), then ends the rest with an error
 
     ENV = {
         "model_path": "KESTREL_MODEL_PATH", "model": "KESTREL_MODEL", "revision": "KESTREL_REVISION",
         "device": "KESTREL_DEVICE", "dtype": "KESTREL_DTYPE", "max_batch_size": "KESTREL_MAX_BATCH_SIZE",
-        "max_step_tokens": "KESTREL_MAX_STEP_TOKENS",
+        "max_step_tokens": "KESTREL_MAX_STEP_TOKENS", "admit_group": "KESTREL_ADMIT_GROUP",
         "max_queue": "KESTREL_MAX_QUEUE", "page_size": "KESTREL_PAGE_SIZE", "kv_pages": "KESTREL_KV_PAGES",
         "max_context": "KESTREL_MAX_CONTEXT", "image_cache_size": "KESTREL_IMAGE_CACHE_SIZE",
         "prefix_cache_size": "KESTREL_PREFIX_CACHE_SIZE",
@@ -87,7 +91,7 @@ class RuntimeConfig:
         "adapter_dir": "KESTREL_ADAPTER_DIR", "max_adapters": "KESTREL_MAX_ADAPTERS",
         "max_adapter_rank": "KESTREL_MAX_ADAPTER_RANK", "image_workers": "KESTREL_IMAGE_WORKERS",
         "seg_refiner_path": "KESTREL_SEG_REFINER_PATH", "drain_timeout_s": "KESTREL_DRAIN_TIMEOUT_S",
-        "keep_fp8_experts": "KESTREL_KEEP_FP8_EXPERTS",
+        "fp8_experts": "KESTREL_FP8_EXPERTS",
     }
 
     @classmethod
@@ -126,11 +130,12 @@ class RuntimeConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.ENV[name]} must be at least 1, got {getattr(self, name)}")
         for name in ("kv_pages", "max_context", "prefix_cache_size", "chaos_fail_after_steps", "image_workers",
-                     "drain_timeout_s", "max_step_tokens"):
+                     "drain_timeout_s", "max_step_tokens", "admit_group"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.ENV[name]} must be 0 or positive, got {getattr(self, name)}")
-        if self.keep_fp8_experts not in (0, 1):
-            raise ConfigError(f"KESTREL_KEEP_FP8_EXPERTS must be 0 or 1, got {self.keep_fp8_experts}")
+        if self.fp8_experts not in FP8_EXPERT_MODES:
+            raise ConfigError(f"KESTREL_FP8_EXPERTS must be one of {', '.join(FP8_EXPERT_MODES)}, "
+                              f"got {self.fp8_experts!r}")
         if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"KESTREL_DEVICE must be cuda or cpu, got {self.device!r}")
         if self.dtype not in ("",) + DTYPES:

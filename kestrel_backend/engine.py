@@ -96,7 +96,8 @@ class InferenceEngine:
         if crop_encoder is not None:
             crop_encoder.warmup()
         self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, prefill_graphs,
-                                   config.prefix_cache_size, crop_encoder, self.adapters, config.max_step_tokens)
+                                   config.prefix_cache_size, crop_encoder, self.adapters, config.max_step_tokens,
+                                   config.admit_group)
         if refiner_head is not None:
             self.scheduler.segment_refiner = SegmentRefiner(model, refiner_head, self._decoders)
         if config.chaos_fail_after_steps:
@@ -116,7 +117,7 @@ class InferenceEngine:
                         "Set KESTREL_MODEL=moondream2 or KESTREL_MODEL_PATH for a real model.", path)
         model = Moondream.from_checkpoint(path, dtype=config.torch_dtype(), device=config.torch_device(),
                                           tokenizer_dir=config.tokenizer_dir(),
-                                          keep_fp8_experts=bool(config.keep_fp8_experts))
+                                          fp8_experts=config.fp8_experts)
         if model.tokenizer is None:
             raise ValueError(f"{path}: no tokenizer.json next to the weights")
         head = None

@@ -196,6 +196,12 @@ def test_kestrel_moondream3_checkpoint_with_fp8_experts_loads(tiny_dir, tmp_path
         assert torch.equal(fc1, loaded["text.blocks.2.mlp.fc1.weight"][e])
         assert torch.equal(fc2, loaded["text.blocks.2.mlp.fc2.weight"][e])
 
+    both = build_weights(kept, config, torch.float32, "cpu", wide_experts=True).text.blocks[2].moe  # (=both)
+    assert both.fc1.dtype == torch.float8_e4m3fn and both.fc1_scale is not None
+    assert torch.equal(both.fc1_wide, loaded["text.blocks.2.mlp.fc1.weight"])
+    assert torch.equal(both.fc2_wide, loaded["text.blocks.2.mlp.fc2.weight"])
+    assert moe.fc1_wide is None
+
     del kestrel["text_model.transformer.h.2.moe_quant.down_scale"]
     torch.save(kestrel, folder / "model_fp8.pt")
     with pytest.raises(CheckpointError, match=r"'text\.blocks\.2\.mlp\.fc2\.weight' is FP8 but has no scale"):

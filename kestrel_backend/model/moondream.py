@@ -24,16 +24,16 @@ class Moondream:
 
     @classmethod
     def from_checkpoint(cls, folder: str | Path, dtype=torch.float32, device="cpu",
-                        tokenizer_dir: str | Path | None = None, keep_fp8_experts: bool = False) -> "Moondream":
+                        tokenizer_dir: str | Path | None = None, fp8_experts: str = "widen") -> "Moondream":
         """A folder with config.json (optional: the official sizes of the family its tensors name), weights, and
-        tokenizer.json (optional; or in tokenizer_dir). keep_fp8_experts: see weights.load_weights."""
+        tokenizer.json (optional; or in tokenizer_dir). fp8_experts: see weights.load_weights."""
         from .tokenizer import load_tokenizer
 
         folder = Path(folder)
         config_path = folder / "config.json" if folder.is_dir() else folder.with_name("config.json")
         config = MoondreamConfig.from_file(config_path) if config_path.exists() else \
             MoondreamConfig.official(checkpoint_family(folder))
-        weights = load_weights(folder, config, dtype=dtype, device=device, keep_fp8_experts=keep_fp8_experts)
+        weights = load_weights(folder, config, dtype=dtype, device=device, fp8_experts=fp8_experts)
         tokenizer_dir = tokenizer_dir or (folder if folder.is_dir() else folder.parent)
         return cls(config, weights, load_tokenizer(Path(tokenizer_dir)))
 

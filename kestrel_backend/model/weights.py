@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import FP8_EXPERT_MODES
 from .config import MoondreamConfig
 from .packed import PackedWeight
 
@@ -91,6 +92,10 @@ class MoE:
     # Kestrel's FP8 checkpoints on a GPU: fc1 and fc2 stay FP8 (e4m3), weight = fp8 * the float32 scale of its row
     fc1_scale: torch.Tensor | None = None  # [E, 2 * inner]
     fc2_scale: torch.Tensor | None = None  # [E, dim]
+    # KESTREL_FP8_EXPERTS=both: the same experts widened (fp8 * scale in dtype) beside the FP8 ones, for the steps
+    # where reading FP8 is slower (long prefills, one-row decode steps: runtime.moe_kernels.experts_for)
+    fc1_wide: torch.Tensor | None = None
+    fc2_wide: torch.Tensor | None = None
 
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's fc1 and fc2 weights in dtype (FP8 ones times their scales, in float32 first)."""
@@ -98,6 +103,12 @@ class MoE:
             return w[e].to(dtype) if scale is None else (w[e].float() * scale[e, :, None]).to(dtype)
 
         return weight(self.fc1, self.fc1_scale), weight(self.fc2, self.fc2_scale)
+
+    def widened(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """fc1 and fc2 of every expert in dtype, as expert() gives them (an expert at a time: no float32 copy of a
+        whole layer)."""
+        pairs = [self.expert(e, dtype) for e in range(self.fc1.shape[0])]
+        return torch.stack([fc1 for fc1, _ in pairs]), torch.stack([fc2 for _, fc2 in pairs])
 
 
 @dataclass
@@ -412,7 +423,8 @@ def load_state(path: str | Path, config: MoondreamConfig, keep_packed: bool = Fa
 
 
 def build_weights(state: dict[str, torch.Tensor], config: MoondreamConfig,
-                  dtype: torch.dtype, device: str | torch.device) -> MoondreamWeights:
+                  dtype: torch.dtype, device: str | torch.device, wide_experts: bool = False) -> MoondreamWeights:
+    """wide_experts: FP8 experts also get a widened copy in dtype (MoE.fc1_wide, fc2_wide)."""
     def t(name):
         return state[name].to(device=device, dtype=dtype).contiguous()
 
@@ -450,6 +462,8 @@ def build_weights(state: dict[str, torch.Tensor], config: MoondreamConfig,
         if is_moe_layer(tc, i):
             (fc1, fc1_scale), (fc2, fc2_scale) = experts(f"{b}.mlp.fc1.weight"), experts(f"{b}.mlp.fc2.weight")
             moe = MoE(linear(f"{b}.mlp.router"), fc1, fc2, tc.moe.n_experts_per_tok, fc1_scale, fc2_scale)
+            if wide_experts and fc1_scale is not None:
+                moe.fc1_wide, moe.fc2_wide = moe.widened(dtype)
             proj = linear(f"{b}.attn.proj")
             return TextBlock(norm(f"{b}.ln"), linear(f"{b}.attn.qkv"), proj, None, proj.bias, tau, moe)
         block = _text_block(norm(f"{b}.ln"), linear(f"{b}.attn.qkv"), linear(f"{b}.attn.proj"), mlp(f"{b}.mlp"))
@@ -489,16 +503,20 @@ def _text_block(ln: LayerNorm, qkv: Linear, proj: Linear, mlp: MLP) -> TextBlock
 
 
 def load_weights(path: str | Path, config: MoondreamConfig, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", keep_fp8_experts: bool = False) -> MoondreamWeights:
-    """On a GPU the text blocks' 4-bit weights stay 4-bit (the decode step reads them packed), and with
-    keep_fp8_experts FP8 experts stay FP8 (the expert kernels read them and their scales); elsewhere they are
-    dequantised once."""
+                 device: str | torch.device = "cpu", fp8_experts: str = "widen") -> MoondreamWeights:
+    """On a GPU the text blocks' 4-bit weights stay 4-bit (the decode step reads them packed). FP8 experts (Kestrel's
+    files) on a GPU: widen (dequantised once, as elsewhere), fp8 (kept FP8: the expert kernels read them and their
+    scales) or both (FP8 and widened copies: each step reads the faster)."""
+    if fp8_experts not in FP8_EXPERT_MODES:
+        raise ValueError(f"fp8_experts must be one of {', '.join(FP8_EXPERT_MODES)}, got {fp8_experts!r}")
     on_gpu = torch.device(device).type == "cuda"
-    if keep_fp8_experts and on_gpu and torch.cuda.get_device_capability(device) < (8, 9):
-        log.warning("KESTREL_KEEP_FP8_EXPERTS: this GPU has no FP8 (e4m3) conversions (before Ada); experts widened")
-        keep_fp8_experts = False
-    state = load_state(path, config, on_gpu, dtype, keep_fp8=on_gpu and keep_fp8_experts)
-    return build_weights(state, config, dtype, device)
+    if fp8_experts != "widen" and on_gpu and torch.cuda.get_device_capability(device) < (8, 9):
+        log.warning("KESTREL_FP8_EXPERTS=%s: this GPU has no FP8 (e4m3) conversions (before Ada); experts widened",
+                    fp8_experts)
+        fp8_experts = "widen"
+    keep = on_gpu and fp8_experts != "widen"
+    state = load_state(path, config, on_gpu, dtype, keep_fp8=keep)
+    return build_weights(state, config, dtype, device, wide_experts=keep and fp8_experts == "both")
 
 
 def checkpoint_family(path: str | Path) -> str:

@@ -13,7 +13,8 @@ type in the kernels, and each output column scaled by its row's float32 scale af
 Long bf16 prefills on Hopper and later take another path (`_moe_mlp_grouped`): the pairs' rows gathered in
 expert order, both matmuls as torch's grouped GEMM (CUTLASS: about 600 TFLOP/s on an H100 where the kernels
 above reach 200, their programs each looping over one expert's rows), gelu(h) * (g + 1) and the weighted sum of a
-token's k rows as one pass each; FP8 experts are first widened to bf16 (weight * scale, one pass) into scratch.
+token's k rows as one pass each; FP8 experts are first widened to bf16 (weight * scale, one pass) into scratch,
+unless widened copies are kept beside them (KESTREL_FP8_EXPERTS=both: `experts_for`).
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ def _route_kernel(logits_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order
         logits = tl.where(t_mask[:, None], logits, 0.0)  # (rows past T: finite, written nowhere)
         top = tl.full([BLOCK_T, K_P2], float("-inf"), tl.float32)
         ids = tl.full([BLOCK_T, K_P2], E, tl.int32)  # (slots past K, tokens past T: bin E, no expert's)
-        for j in tl.static_range(K):
+        for j in range(K):  # (a loop: unrolled, the 64-token variant took 3.5 minutes to compile for sm80, 21 s sm90)
             best = tl.argmax(logits, axis=1, tie_break_left=True)
             top = tl.where(offs_k[None, :] == j, tl.max(logits, axis=1)[:, None], top)
             ids = tl.where((offs_k[None, :] == j) & t_mask[:, None], best[:, None].to(tl.int32), ids)
@@ -233,7 +234,7 @@ def _tiles(tokens: int, dtype: torch.dtype) -> tuple[dict, dict]:
     if dtype == torch.float32:
         medium = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4)
         return medium, medium
-    if tokens <= 128:
+    if tokens <= DECODE_ROWS:
         return DECODE_TILES
     return PREFILL_TILES
 
@@ -250,6 +251,8 @@ ONE_TOKEN_TILES = (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=2, num_st
 DECODE_TILES = (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
                 dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4))
 
+
+DECODE_ROWS = 128  # steps of up to this many tokens take DECODE_TILES
 
 PREFILL_TILES = (dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8),
                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8))
@@ -300,12 +303,23 @@ def widened(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
     return out
 
 
+def experts_for(moe: MoE, tokens: int) -> tuple:
+    """(fc1, fc1_scale, fc2, fc2_scale) a step of this many tokens reads: with widened copies kept beside FP8 experts
+    (KESTREL_FP8_EXPERTS=both), the FP8 ones in steps of 2 to DECODE_ROWS tokens (decode steps of several rows, short
+    prefills), where reading half the bytes pays; one-row steps (FP8's tiles slower: PERFORMANCE.md) and longer
+    prefills (tensor-core bound) read the widened ones."""
+    if moe.fc1_wide is not None and not 1 < tokens <= DECODE_ROWS:
+        return moe.fc1_wide, None, moe.fc2_wide, None
+    return moe.fc1, moe.fc1_scale, moe.fc2, moe.fc2_scale
+
+
 def _moe_mlp_grouped(x: torch.Tensor, gates: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
                      moe: MoE) -> torch.Tensor:
     """The expert MLP with torch's grouped GEMM over the pairs in expert order (starts[e + 1]: where expert e's
     rows end)."""
     ends, top_k = starts[1:], moe.top_k
-    fc1, fc2 = widened(moe.fc1, moe.fc1_scale, x.dtype), widened(moe.fc2, moe.fc2_scale, x.dtype)
+    fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, x.shape[0])
+    fc1, fc2 = widened(fc1, fc1_scale, x.dtype), widened(fc2, fc2_scale, x.dtype)
     h = torch._grouped_mm(x.index_select(0, order // top_k), fc1.transpose(1, 2), offs=ends)
     y = torch._grouped_mm(gated_gelu(h), fc2.transpose(1, 2), offs=ends)
     where = torch.empty_like(order)
@@ -333,11 +347,12 @@ def moe_mlp_cuda(x: torch.Tensor, moe: MoE, summed: bool = True) -> torch.Tensor
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(pairs, d, device=x.device, dtype=torch.float32)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)
-    scaled = moe.fc1_scale is not None
+    fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, t)
+    scaled = fc1_scale is not None
     _moe_up_kernel[(n_experts, triton.cdiv(inner, up["BLOCK_N"]))](
-        x, x.stride(0), moe.fc1, moe.fc1_scale if scaled else moe.fc1, order, starts, act, K=d, I=inner, TOP_K=top_k,
+        x, x.stride(0), fc1, fc1_scale if scaled else fc1, order, starts, act, K=d, I=inner, TOP_K=top_k,
         PRECISION=precision, SCALED=scaled, **up)
     _moe_down_kernel[(n_experts, triton.cdiv(d, down["BLOCK_N"]))](
-        act, moe.fc2, moe.fc2_scale if scaled else moe.fc2, order, starts, gates.reshape(-1), out, N=d, I=inner,
+        act, fc2, fc2_scale if scaled else fc2, order, starts, gates.reshape(-1), out, N=d, I=inner,
         PRECISION=precision, SCALED=scaled, **down)
     return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out

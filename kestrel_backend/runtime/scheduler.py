@@ -88,13 +88,14 @@ def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_cont
 class Scheduler:
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
                  decoder=None, prefill_graphs=None, prefix_cache_size: int = 0, crop_encoder=None, adapters=None,
-                 max_step_tokens: int = 0):
+                 max_step_tokens: int = 0, admit_group: int = 0):
         self.model = model
         self.cache = cache
         self.images = image_cache
         self.prefixes = PrefixCache(cache, prefix_cache_size)
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens  # the budget of _admit (0: none)
+        self.admit_group = admit_group  # under a backlog, admit no fewer at once (_admit; 0: as slots free)
         self.crop_cost = model.config.crop_cost_in_tokens
         self._spent = 0  # of the budget, by this step's admissions
         self.attention = make_attention(cache)
@@ -207,10 +208,15 @@ class Scheduler:
         prefill the 730 tokens). The budget (max_step_tokens) keeps a step short while requests pile up: the
         running sequences' next tokens wait for the whole step's encodes and prefills. A sequence taking its last
         token (max_tokens) in this step gives its slot up now: the next request prefills in the same step, rather
-        than in a step of its own after the GPU waited for the host to read that token and admit it."""
+        than in a step of its own after the GPU waited for the host to read that token and admit it. With
+        admit_group, while more wait than there are free slots, none is admitted until that many slots are free."""
         new, deferred, prefilling, encoding = [], [], set(), set()
         spent, ahead = 0, self._encodes_ahead()
         leaving = sum(not seq.generation.may_continue_after_next_token() for seq in self.running)
+        free = self.max_batch_size - (len(self.running) - leaving)
+        if self.running and free < min(self.admit_group, len(self.waiting)):
+            self._spent = 0  # (the budget goes to encoding waiting images ahead)
+            return []  # a prefill step of a few rows reads every weight (every expert) as one of many would
         while self.waiting and len(self.running) - leaving < self.max_batch_size:
             seq = self.waiting[0]
             shared = self.prefixes.lookup(seq.prefix_key) if seq.image_key is not None else []
