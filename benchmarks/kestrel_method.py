@@ -16,11 +16,14 @@ first on an image prefills its prefix, the second only its own tokens) over the 
 decode steps' bytes (weights once a step at full batches, and each step's KV reads) over the measured copy rate
 (Moondream 3's experts at one byte a value where the checkpoint holds them in FP8, as Kestrel's do).
 
+Each row also says what its burst's time went to (`burst`: engine steps, the engine thread's seconds by step phase,
+device and pinned memory the allocators had to get, Triton kernels compiled) and how long the engine took to start.
+
     python benchmarks/kestrel_method.py [--model moondream2|moondream3] [--batch-sizes 1 4 16 64] [--images 256]
         [--triton] [--out out.json]
         [--max-step-tokens 16384 0]         # step budgets, each on a burst of its own (0: none)
         [--kestrel-rows side_by_side.json]   # Kestrel on this machine (benchmarks/kestrel_peer.py writes them)
-        [--checkpoint DIR [--keep-fp8-experts]]  # a checkpoint (Kestrel's side by side: kestrel_checkpoint.py)
+        [--checkpoint DIR [--fp8-experts widen|fp8|both]]  # a checkpoint (Kestrel's: kestrel_checkpoint.py)
     python benchmarks/kestrel_method.py --checkpoint tests/fixtures/md2-tiny --images 4 --batch-sizes 2  (CPU smoke)
 """
 
@@ -130,20 +133,57 @@ def summarize(mode: str, batch: int, pairs, bodies: list[dict], wall: float) -> 
 
 def run_engine(model, batch: int, mode: str, pairs, warmup, max_step_tokens: int, admit_group: int = 0) -> dict:
     settings = {"temperature": 0, "max_tokens": OUTPUT_TOKENS[mode]}
+    started = time.perf_counter()
     engine = InferenceEngine(RuntimeConfig(device=str(model.device), max_batch_size=batch, max_queue=1 << 16,
                                            max_step_tokens=max_step_tokens, admit_group=admit_group), model)
     try:
         async def burst(items):
             return await asyncio.gather(*[engine.query(image, q, settings=settings) for image, q in items])
 
+        start_s = time.perf_counter() - started  # (its CUDA graphs captured, its eager prefill steps warmed)
         asyncio.run(burst(warmup))
+        before = burst_counters(engine)
         t0 = time.perf_counter()
         results = asyncio.run(burst(pairs))
         wall = time.perf_counter() - t0
+        spent = {k: round(v - before.get(k, 0), 3) for k, v in burst_counters(engine).items()}
+        spent = {k: v for k, v in spent.items() if v or not k.startswith("triton_variants:")}
     finally:
         engine.shutdown()
     return {**summarize(mode, batch, pairs, [{"metrics": r.metrics} for r in results], wall),
-            "max_step_tokens": max_step_tokens, "admit_group": admit_group}
+            "max_step_tokens": max_step_tokens, "admit_group": admit_group, "engine_start_s": start_s, "burst": spent}
+
+
+def burst_counters(engine) -> dict:
+    """What a burst's time went to: engine steps, the engine thread's seconds by step phase, the device memory the
+    caching allocator had to get (cudaMalloc calls, and retries after freeing its cache: each a device sync), the
+    pinned host blocks it had to get, and Triton kernels compiled."""
+    import torch
+
+    s = engine.scheduler
+    counters = {"steps": s.steps, **{f"{k}_s": v for k, v in s.phase_s.items()}}
+    if torch.cuda.is_available():
+        m = torch.cuda.memory_stats()
+        counters |= {"cuda_mallocs": m.get("num_device_alloc", 0), "alloc_retries": m.get("num_alloc_retries", 0)}
+        h = torch.cuda.host_memory_stats()  # (pinned blocks: each new one a cudaHostAlloc on the engine thread)
+        counters |= {"pinned_allocs": h.get("num_host_alloc", 0),
+                     "pinned_alloc_s": h.get("host_alloc_time.total", 0) / 1e6}
+        counters |= {f"triton_variants:{name}": n for name, n in triton_variants().items()}
+    return counters
+
+
+def triton_variants() -> dict[str, int]:
+    """Compiled variants of each of the engine's Triton kernels so far (a new one during a burst: a compile, seconds
+    of the engine thread, unless Triton's disk cache has it)."""
+    from triton.runtime.jit import JITFunction
+
+    counts = {}
+    for module in [m for name, m in sys.modules.items() if name.startswith("kestrel_backend")]:
+        for name, fn in vars(module).items():
+            fn = getattr(fn, "fn", fn)  # (an autotuner's kernel)
+            if isinstance(fn, JITFunction):
+                counts[name] = sum(len(cache[0]) for cache in fn.device_caches.values())
+    return counts
 
 
 def burst_part(url: str, items, max_tokens: int) -> dict:

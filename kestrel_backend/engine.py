@@ -32,6 +32,7 @@ from .skills.settings import Settings
 
 log = logging.getLogger("kestrel.engine")
 UNHEALTHY_AFTER_FAILED_STEPS = 3
+EAGER_WARM_ROWS = 16384  # eager prefill steps are warmed at start-up up to the step budget, at most this many rows
 
 __all__ = ["InferenceEngine", "EngineResult", "EngineStream", "StreamChunk", "EngineOverloaded", "EngineDraining",
            "EngineError", "RequestCancelled", "InvalidRequest"]
@@ -98,6 +99,7 @@ class InferenceEngine:
         self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, prefill_graphs,
                                    config.prefix_cache_size, crop_encoder, self.adapters, config.max_step_tokens,
                                    config.admit_group)
+        self.scheduler.warm_eager_prefill(min(config.max_step_tokens or EAGER_WARM_ROWS, EAGER_WARM_ROWS))
         if refiner_head is not None:
             self.scheduler.segment_refiner = SegmentRefiner(model, refiner_head, self._decoders)
         if config.chaos_fail_after_steps:

@@ -312,6 +312,29 @@ def test_a_step_takes_on_new_work_within_its_budget(tiny_dir, golden):
         eng.shutdown()
 
 
+def test_eager_prefill_steps_padded_and_warmed_keep_the_answers_and_pages(engine, tiny_dir, golden):
+    """Eager prefill steps padded to a multiple of rows (7 here; 256 on a GPU): the golden requests (with adapters
+    and without), all at once, keep their answers, and every prefill ran padded; the start-up warm-up runs each
+    padded row count up to its limit once on placeholder sequences and gives their pages back."""
+    s, m = engine.scheduler, engine.model
+    rows, forward = [], m.forward
+    m.forward = lambda x, *a, **k: rows.append(x.shape[0]) or forward(x, *a, **k)
+    s.eager_pad = 7
+    try:
+        async def together():
+            return await asyncio.gather(*[parity.submit_case(engine, tiny_dir, c) for c in golden])
+
+        for case, result in zip(golden, asyncio.run(together())):
+            _check_against_golden(engine, case, result)
+        prefills = [n for n in rows if n > s.max_batch_size]  # (decode steps: a row a sequence)
+        assert prefills and all(n % 7 == 0 for n in prefills)
+        rows.clear()
+        s.warm_eager_prefill(3 * 7 + 5)
+        assert rows == [7, 14, 21] and engine.no_request_holds_pages()
+    finally:
+        s.eager_pad, m.forward = 0, forward
+
+
 def test_under_a_backlog_requests_are_admitted_in_groups(tiny_dir):
     """KESTREL_ADMIT_GROUP=3 with 4 slots: text queries of 1 to 6 tokens, all at once, free their slots one or two
     at a time; while more wait than slots are free, a step admits none until 3 are free, then 3 or more together

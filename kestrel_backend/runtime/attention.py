@@ -63,9 +63,10 @@ class TorchPagedAttention:
 
     def __call__(self, layer: int, q, k, v):
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc[self._write_slots] = k
-        vc[self._write_slots] = v
-        out = torch.empty_like(q)
+        n = self._write_slots.shape[0]  # (rows after the step's sequences are padding: neither stored nor attended)
+        kc[self._write_slots] = k[:n]
+        vc[self._write_slots] = v[:n]
+        out = torch.zeros_like(q)
         for p, rows in self._prefixes.items():
             shape = (rows.shape[0] // p, p)
             out[rows] = attend(*(t[rows].view(*shape, *t.shape[1:]) for t in (q, k, v))).flatten(0, 1)
