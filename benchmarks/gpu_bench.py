@@ -284,7 +284,7 @@ def one_kernel_check(cfg, f: dict, runs: int = 30) -> dict:
     return out
 
 
-def engine_golden_check(fixture_name: str = "md2-tiny") -> dict:
+def engine_golden_check(fixture_name: str = "md2-tiny", max_batch_size: int = 32, mixed_steps: int = 0) -> dict:
     """The whole GPU engine path (prefill, CUDA-graph decode of fused kernels, batched sampling) in float32
     against the reference's greedy tokens and boxes on the tiny fixture: 32 mixed requests at once (a bucket of
     MANY_ROWS sequences: past 640 positions its attention is split over the context), the same 32 again (their
@@ -292,14 +292,15 @@ def engine_golden_check(fixture_name: str = "md2-tiny") -> dict:
     each case alone (one-sequence steps take the GEMV kernels, launched with PDL; the
     image cases prefill after their cached prefix in a graph). The cases with adapters decode in the LoRA
     graphs, beside rows without. fixture_name: another golden fixture (md3-tiny: Moondream 3's layers in the
-    decode graphs, its expert kernels in prefill and decode)."""
+    decode graphs, its expert kernels in prefill and decode). With fewer slots than requests and mixed_steps, most
+    requests join while others decode: their prefill steps take the decode rows (KESTREL_MIXED_STEPS)."""
     fixture = ROOT / "tests" / "fixtures" / fixture_name
     adapters = fixture / "adapters"
     all_cases = json.loads((fixture / "cases.json").read_text())["cases"]
     cases = [c for c in all_cases if c["kind"] in ("query", "caption", "point", "detect", "segment")]
     refiner = fixture / "seg_refiner"
     engine = InferenceEngine.create(RuntimeConfig(model_path=str(fixture), device="cuda", dtype="float32",
-                                                  max_batch_size=32,
+                                                  max_batch_size=max_batch_size, mixed_steps=mixed_steps,
                                                   adapter_dir=str(adapters) if adapters.is_dir() else "",
                                                   seg_refiner_path=str(refiner) if refiner.is_dir() else ""))
     try:
@@ -318,7 +319,8 @@ def engine_golden_check(fixture_name: str = "md2-tiny") -> dict:
         ok = sum(result_matches(engine, c, r) for c, r in zip(batch, results))
         stats = engine.stats()
         out = {"engine_fp32_golden_equal": f"{ok}/{len(batch)}", "pages_free_after": engine.no_request_holds_pages(),
-               "prefix_hits": stats["prefix_hits"], "decode_steps_launched_ahead": dict(engine.scheduler.steps_ahead)}
+               "prefix_hits": stats["prefix_hits"], "decode_steps_launched_ahead": dict(engine.scheduler.steps_ahead),
+               "steps_mixed": engine.scheduler.steps_mixed}
         if refiner.is_dir():
             out["segment_refiner_gpu"] = segment_refiner_check(engine, fixture, all_cases)
         return out

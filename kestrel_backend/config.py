@@ -58,6 +58,8 @@ class RuntimeConfig:
     # the text tokens of equal matmul work (0: no limit; a request larger than this runs in a step of its own)
     admit_group: int = 0  # while more requests wait than there are free slots, admit none until this many slots
     # are free (0: as slots free): fewer, larger prefill steps, each reading every weight once
+    mixed_steps: int = 0  # 1: a step that admits requests decodes the running ones in its prefill forward (one read of
+    # every weight a step, not two)
     max_queue: int = 256
     page_size: int = 16
     kv_pages: int = 0  # 0: enough for max_batch_size full contexts
@@ -83,6 +85,7 @@ class RuntimeConfig:
         "model_path": "KESTREL_MODEL_PATH", "model": "KESTREL_MODEL", "revision": "KESTREL_REVISION",
         "device": "KESTREL_DEVICE", "dtype": "KESTREL_DTYPE", "max_batch_size": "KESTREL_MAX_BATCH_SIZE",
         "max_step_tokens": "KESTREL_MAX_STEP_TOKENS", "admit_group": "KESTREL_ADMIT_GROUP",
+        "mixed_steps": "KESTREL_MIXED_STEPS",
         "max_queue": "KESTREL_MAX_QUEUE", "page_size": "KESTREL_PAGE_SIZE", "kv_pages": "KESTREL_KV_PAGES",
         "max_context": "KESTREL_MAX_CONTEXT", "image_cache_size": "KESTREL_IMAGE_CACHE_SIZE",
         "prefix_cache_size": "KESTREL_PREFIX_CACHE_SIZE",
@@ -130,7 +133,7 @@ class RuntimeConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.ENV[name]} must be at least 1, got {getattr(self, name)}")
         for name in ("kv_pages", "max_context", "prefix_cache_size", "chaos_fail_after_steps", "image_workers",
-                     "drain_timeout_s", "max_step_tokens", "admit_group"):
+                     "drain_timeout_s", "max_step_tokens", "admit_group", "mixed_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.ENV[name]} must be 0 or positive, got {getattr(self, name)}")
         if self.fp8_experts not in FP8_EXPERT_MODES:

@@ -90,7 +90,8 @@ class InferenceEngine:
         decoder = make_decoder(model, self.kv, config.max_batch_size, self.max_context, self.adapters)
         if decoder is not None:
             decoder.warmup()  # capture every batch-size bucket now, not under the first requests
-        prefill_graphs = make_prefill_graphs(model, self.kv, self.max_context, config.max_batch_size)
+        prefill_graphs = make_prefill_graphs(model, self.kv, self.max_context, config.max_batch_size,
+                                             bool(config.mixed_steps))
         if prefill_graphs is not None:
             prefill_graphs.warmup()
         crop_encoder = make_crop_encoder(model)
@@ -98,7 +99,7 @@ class InferenceEngine:
             crop_encoder.warmup()
         self.scheduler = Scheduler(model, self.kv, self.images, config.max_batch_size, decoder, prefill_graphs,
                                    config.prefix_cache_size, crop_encoder, self.adapters, config.max_step_tokens,
-                                   config.admit_group)
+                                   config.admit_group, bool(config.mixed_steps))
         self.scheduler.warm_eager_prefill(min(config.max_step_tokens or EAGER_WARM_ROWS, EAGER_WARM_ROWS))
         if refiner_head is not None:
             self.scheduler.segment_refiner = SegmentRefiner(model, refiner_head, self._decoders)

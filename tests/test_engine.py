@@ -335,6 +335,28 @@ def test_eager_prefill_steps_padded_and_warmed_keep_the_answers_and_pages(engine
         s.eager_pad, m.forward = 0, forward
 
 
+@pytest.mark.parametrize("name", ["md2-tiny", "md3-tiny"])
+def test_mixed_steps_decode_running_sequences_in_the_prefill_forward_and_keep_the_answers(name, tiny_dir):
+    """KESTREL_MIXED_STEPS=1: the golden requests all at once through 4 slots, so that most join while others
+    decode (adapters, spatial refs and region heads among them on Moondream 2; experts on Moondream 3): steps that
+    admit run the running rows in their prefill forward, and every answer still equals the reference's."""
+    folder = tiny_dir.parent / name
+    cases = [c for c in json.loads((folder / "cases.json").read_text())["cases"]
+             if c["kind"] in ("query", "caption", "point", "detect")]
+    eng = InferenceEngine.create(RuntimeConfig(
+        model_path=str(folder), device="cpu", dtype="float32", max_batch_size=4, max_step_tokens=0, mixed_steps=1,
+        adapter_dir=str(folder / "adapters") if (folder / "adapters").is_dir() else ""))
+    try:
+        async def together():
+            return await asyncio.gather(*[parity.submit_case(eng, folder, c) for c in cases])
+
+        for case, result in zip(cases, asyncio.run(together())):
+            _check_against_golden(eng, case, result)
+        assert eng.scheduler.steps_mixed > 3 and eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
 def test_under_a_backlog_requests_are_admitted_in_groups(tiny_dir):
     """KESTREL_ADMIT_GROUP=3 with 4 slots: text queries of 1 to 6 tokens, all at once, free their slots one or two
     at a time; while more wait than slots are free, a step admits none until 3 are free, then 3 or more together

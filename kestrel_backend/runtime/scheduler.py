@@ -4,7 +4,8 @@ Each step prefills the whole prompt of every newly admitted sequence (one forwar
 list; on a GPU its attention is one Triton kernel per layer, and one sequence alone replays a CUDA graph;
 a sequence whose image prefix is in the prefix cache starts with those KV pages and prefills the rest),
 then runs one decode forward over one input of every running sequence (a CUDA graph on a GPU), then
-chooses all their tokens at once. Sequences join between steps and leave
+chooses all their tokens at once. With mixed steps, a step that admits sequences takes the running ones'
+inputs into its prefill forward instead. Sequences join between steps and leave
 as soon as they finish, fail or are cancelled; their KV pages go back to the free list.
 """
 
@@ -55,13 +56,16 @@ def make_attention(cache: PagedKVCache):
     return PrefillAttention(cache)
 
 
-def make_prefill_graphs(model: Moondream, cache: PagedKVCache, max_context: int, max_batch: int):
-    """CUDA graphs for prefill steps on a GPU; None elsewhere."""
+def make_prefill_graphs(model: Moondream, cache: PagedKVCache, max_context: int, max_batch: int,
+                        mixed_steps: bool = False):
+    """CUDA graphs for prefill steps on a GPU; None elsewhere. A mixed step holds up to twice max_batch sequences:
+    the running ones and the new ones that take the slots of those taking their last token in it (steps of more
+    sequences than the graphs take run eagerly: 2 to 5 times the host's time)."""
     if model.device.type != "cuda":
         return None
     from .prefill_graphs import PrefillGraphs
 
-    return PrefillGraphs(model, cache, max_context, max_batch)
+    return PrefillGraphs(model, cache, max_context, 2 * max_batch if mixed_steps else max_batch)
 
 
 def make_crop_encoder(model: Moondream):
@@ -94,7 +98,7 @@ def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_cont
 class Scheduler:
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
                  decoder=None, prefill_graphs=None, prefix_cache_size: int = 0, crop_encoder=None, adapters=None,
-                 max_step_tokens: int = 0, admit_group: int = 0):
+                 max_step_tokens: int = 0, admit_group: int = 0, mixed_steps: bool = False):
         self.model = model
         self.cache = cache
         self.images = image_cache
@@ -102,6 +106,10 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens  # the budget of _admit (0: none)
         self.admit_group = admit_group  # under a backlog, admit no fewer at once (_admit; 0: as slots free)
+        # A step that admits sequences runs the running ones' decode inputs in the same forward as the new prompts
+        # (eager or a prefill graph) instead of a decode forward (graph) after it: every weight (every expert of a
+        # mixture) is read once a step, not twice
+        self.mixed_steps = mixed_steps
         self.crop_cost = model.config.crop_cost_in_tokens
         self._spent = 0  # of the budget, by this step's admissions
         self.attention = make_attention(cache)
@@ -116,6 +124,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = False
         self.steps = 0
+        self.steps_mixed = 0  # of them, steps whose prefill forward took the running sequences' decode rows
         self.consecutive_failures = 0  # steps failing back to back: the device may be unusable
         self.images_encoded = 0
         self.prefix_hits = 0  # sequences admitted with their image prefix's KV pages shared
@@ -177,8 +186,15 @@ class Scheduler:
                 if self.fault_injector:
                     self.fault_injector(batch)
                 outputs = []
-                if new:  # prefill: whole prompts
-                    outputs.append((new, *self._forward_flat(new, prefill=True), None))
+                if new and decoding and self.mixed_steps and self._ahead is None:  # one forward: see mixed_steps
+                    outputs.append((batch, *self._forward_flat(new, decoding), None))
+                    self._keep_prefixes(new)
+                    staying = [s for s in decoding + new if s.generation.may_continue_after_next_token()]
+                    if self.decoder is not None and staying:  # (the next step's rows, unless some end early)
+                        self.decoder.prepare([s.id for s in staying], [s.length for s in staying])
+                    decoding, self.steps_mixed = [], self.steps_mixed + 1
+                elif new:  # prefill: whole prompts
+                    outputs.append((new, *self._forward_flat(new), None))
                     self._keep_prefixes(new)
                 t1 = time.perf_counter()
                 if decoding:  # one input per running sequence (next step's alike unless sequences join now)
@@ -376,7 +392,7 @@ class Scheduler:
         """-> (logits, hidden, greedy tokens when the step chose them already, or None). launch_ahead:
         the next step will decode the same sequences, if none finishes."""
         if self.decoder is None:
-            return *self._forward_flat(seqs, prefill=False), None
+            return *self._forward_flat([], seqs), None
         ids, positions = [s.id for s in seqs], [s.length for s in seqs]
         choices = [s.generation.choice() for s in seqs]
         banned = [c.banned for c in choices]
@@ -410,16 +426,17 @@ class Scheduler:
         return all(s.generation.feeds_back_tokens and c.temperature == 0 and s.length < s.capacity
                    and s.generation.may_continue_after_next_token() for s, c in zip(seqs, choices))
 
-    def _forward_flat(self, seqs: list[Sequence], prefill: bool):
-        """One forward over a flat token list (whole prompts, or one input each) through self.attention."""
-        m = self.model
-        pieces = []
-        if prefill:  # from the first position not in the cache yet
-            for seq in seqs:
-                x = m.embed_prompt(seq.token_ids, seq.prompt_overrides)
-                pieces.append((torch.cat([seq.next_input, x], dim=0) if seq.prefix_len else x)[seq.length:])
-        else:
-            pieces = list(self._inputs(seqs)[:, None, :])
+    def _forward_flat(self, prefilling: list[Sequence], decoding: list[Sequence] = ()):
+        """One forward over a flat token list through self.attention: the whole prompts of `prefilling` (from the
+        first position not in the cache yet), then one input of each of `decoding`. -> (logits, last hidden) of
+        each sequence in that order."""
+        m, pieces = self.model, []
+        for seq in prefilling:
+            x = m.embed_prompt(seq.token_ids, seq.prompt_overrides)
+            pieces.append((torch.cat([seq.next_input, x], dim=0) if seq.prefix_len else x)[seq.length:])
+        if decoding:
+            pieces += list(self._inputs(decoding)[:, None, :])
+        seqs, prefill = list(prefilling) + list(decoding), bool(prefilling)
         slices, start = [], 0
         for seq, x in zip(seqs, pieces):
             positions = torch.arange(seq.length, seq.length + x.shape[0], device=m.device)
