@@ -6,7 +6,7 @@ kestrel_backend/ and benchmarks/, e.g. a commit's:
 
     git archive HEAD kestrel_backend benchmarks | tar -x -C /tmp/base
     python benchmarks/ab_code.py /tmp/base . [--batches 1] [--contexts 64,800] [--rounds 2] [--model moondream3]
-        [--out ab.json]
+        [--fp8-experts] [--out ab.json]
 """
 
 import argparse
@@ -17,8 +17,10 @@ import sys
 from pathlib import Path
 
 
-def measure(tree: str, batches: list[int], contexts: list[int], repeats: int, model_name: str) -> dict:
-    """Step milliseconds of tree's code, `repeats` times per (batch, context)."""
+def measure(tree: str, batches: list[int], contexts: list[int], repeats: int, model_name: str,
+            fp8_experts: bool = False) -> dict:
+    """Step milliseconds of tree's code, `repeats` times per (batch, context). fp8_experts: Moondream 3's experts
+    in FP8 with a scale a row (Kestrel's files), as KESTREL_FP8_EXPERTS=fp8 keeps them."""
     sys.path.insert(0, str(Path(tree).resolve()))  # ahead of this tree and PYTHONPATH
     import torch
     from benchmarks.gpu_bench import decode_steps
@@ -29,6 +31,10 @@ def measure(tree: str, batches: list[int], contexts: list[int], repeats: int, mo
     torch.manual_seed(0)
     config = MoondreamConfig.official(model_name)
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
+    if fp8_experts:
+        from benchmarks.moondream3_bench import experts_to_fp8
+
+        experts_to_fp8(model)
     out = {}
     for bsz in batches:
         backend = "graph-ahead" if bsz <= 2 else "graph"
@@ -46,18 +52,20 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", default="moondream2", choices=["moondream2", "moondream3"])
+    p.add_argument("--fp8-experts", action="store_true", help="Moondream 3's experts in FP8 (KESTREL_FP8_EXPERTS=fp8)")
     p.add_argument("--measure", help="(internal) measure this tree and print JSON")
     p.add_argument("--out")
     args = p.parse_args()
     batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
     if args.measure:
-        print(json.dumps(measure(args.measure, batches, contexts, args.repeats, args.model)))
+        print(json.dumps(measure(args.measure, batches, contexts, args.repeats, args.model, args.fp8_experts)))
         return 0
     runs = {tree: [] for tree in args.trees}
     for r in range(args.rounds):
         for tree in args.trees:
             done = subprocess.run([sys.executable, __file__, "--measure", tree, "--batches", args.batches,
-                                   "--contexts", args.contexts, "--repeats", str(args.repeats), "--model", args.model],
+                                   "--contexts", args.contexts, "--repeats", str(args.repeats), "--model", args.model]
+                                  + ["--fp8-experts"] * args.fp8_experts,
                                   capture_output=True, text=True)
             if done.returncode:
                 print(done.stderr[-3000:], file=sys.stderr)

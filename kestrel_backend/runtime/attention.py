@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.layers import to_device
 from ..model.text import attend, attention_mask
 from .kv_cache import PagedKVCache
 
@@ -59,7 +60,8 @@ class TorchPagedAttention:
     def _plan_writes(self, batch: list[SeqSlice]) -> None:
         """The step's sequences and the cache rows their new k/v go to."""
         self.batch = batch
-        self._write_slots = torch.cat([self.cache.slots(s.seq_id, s.positions) for s in batch])
+        self._write_slots = to_device(self.cache.rows((s.seq_id, s.first_pos, s.end - s.start) for s in batch),
+                                      torch.long, batch[0].positions.device)
 
     def __call__(self, layer: int, q, k, v):
         kc, vc = self.cache.k[layer], self.cache.v[layer]

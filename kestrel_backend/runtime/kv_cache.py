@@ -6,8 +6,9 @@ last holder lets go."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from ..model.config import TextConfig
@@ -70,6 +71,16 @@ class PagedKVCache:
             self._holders[page] -= 1
             if self._holders[page] == 0:
                 self._free.append(page)
+
+    def rows(self, spans: Iterable[tuple[int, int, int]]) -> np.ndarray:
+        """Flat cache rows of positions [first, first + n) of each (seq_id, first, n), span after span, worked out
+        on the host: one copy to the device for a step's sequences, not a few device operations each."""
+        parts = []
+        for seq_id, first, n in spans:
+            positions = np.arange(first, first + n)
+            pages = self.table_tensors[seq_id].numpy()[positions // self.page_size].astype(np.int64)
+            parts.append(pages * self.page_size + positions % self.page_size)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache rows for these positions of a sequence."""

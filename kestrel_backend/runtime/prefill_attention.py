@@ -111,9 +111,8 @@ def work_items(batch: list[SeqSlice]) -> list[int]:
 
 def context_slots(cache: PagedKVCache, batch: list[SeqSlice]) -> torch.Tensor:
     """The cache rows of every sequence's cached positions (those before the step), flat, in batch order."""
-    dev = batch[0].positions.device
-    rows = [cache.slots(s.seq_id, torch.arange(s.first_pos, device=dev)) for s in batch if s.first_pos]
-    return torch.cat(rows) if rows else torch.zeros(1, device=dev, dtype=torch.long)
+    rows = cache.rows((s.seq_id, 0, s.first_pos) for s in batch if s.first_pos)
+    return to_device(rows if len(rows) else [0], torch.long, batch[0].positions.device)
 
 
 def prefill_attention(q, k, v, k_cache, v_cache, slots, work, context) -> torch.Tensor:

@@ -96,7 +96,8 @@ class PrefillGraphs:
         self.x[:used].copy_(x)
         self.positions[:used].copy_(torch.cat([s.positions for s in slices]))
         self.positions[used:rows].zero_()  # (padded rows: a position the rotary table has)
-        self.slots[:used].copy_(torch.cat([self.cache.slots(s.seq_id, s.positions) for s in slices]))
+        spans = ((s.seq_id, s.first_pos, s.end - s.start) for s in slices)
+        self.slots[:used].copy_(to_device(self.cache.rows(spans), torch.long, self.slots.device))
         context = pa.context_slots(self.cache, slices)
         self.context[:context.numel()].copy_(context)
         work = torch.zeros(pa.WORK_FIELDS * _work_items(rows, seqs), dtype=torch.int32)  # zeros: empty items

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 from ..errors import EngineError, RequestCancelled
@@ -437,18 +438,19 @@ class Scheduler:
         if decoding:
             pieces += list(self._inputs(decoding)[:, None, :])
         seqs, prefill = list(prefilling) + list(decoding), bool(prefilling)
+        positions = to_device(np.concatenate([np.arange(s.length, s.length + len(x)) for s, x in zip(seqs, pieces)]),
+                              torch.long, m.device)  # (one copy for the step, not an operation a sequence)
         slices, start = [], 0
         for seq, x in zip(seqs, pieces):
-            positions = torch.arange(seq.length, seq.length + x.shape[0], device=m.device)
-            slices.append(SeqSlice(seq.id, start, start + x.shape[0], seq.length, seq.prefix_len, positions))
-            start += x.shape[0]
-            seq.length += x.shape[0]
+            slices.append(SeqSlice(seq.id, start, start + len(x), seq.length, seq.prefix_len,
+                                   positions[start:start + len(x)]))
+            start += len(x)
+            seq.length += len(x)
         x = torch.cat(pieces)
         lora = LoraRows.of([s.adapter for s in seqs], [len(p) for p in pieces])
         if prefill and lora is None and self.prefill_graphs is not None and \
                 self.prefill_graphs.fits([len(p) for p in pieces]):
             return self.prefill_graphs.run(x, slices)
-        positions = torch.cat([s.positions for s in slices])
         pad = -x.shape[0] % self.eager_pad if prefill and self.eager_pad else 0
         if pad:  # (padded rows: computed, neither stored nor attended to, dropped; no adapter's span covers them)
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
