@@ -338,11 +338,11 @@ def test_eager_prefill_steps_padded_and_warmed_keep_the_answers_and_pages(engine
 @pytest.mark.parametrize("name", ["md2-tiny", "md3-tiny"])
 def test_mixed_steps_decode_running_sequences_in_the_prefill_forward_and_keep_the_answers(name, tiny_dir):
     """KESTREL_MIXED_STEPS=1: the golden requests all at once through 4 slots, so that most join while others
-    decode (adapters, spatial refs and region heads among them on Moondream 2; experts on Moondream 3): steps that
-    admit run the running rows in their prefill forward, and every answer still equals the reference's."""
+    decode (adapters, spatial refs and region heads among them on Moondream 2; experts and segment on Moondream 3):
+    steps that admit run the running rows in their prefill forward, and every answer still equals the reference's."""
     folder = tiny_dir.parent / name
     cases = [c for c in json.loads((folder / "cases.json").read_text())["cases"]
-             if c["kind"] in ("query", "caption", "point", "detect")]
+             if c["kind"] in ("query", "caption", "point", "detect", "segment")]
     eng = InferenceEngine.create(RuntimeConfig(
         model_path=str(folder), device="cpu", dtype="float32", max_batch_size=4, max_step_tokens=0, mixed_steps=1,
         adapter_dir=str(folder / "adapters") if (folder / "adapters").is_dir() else ""))
