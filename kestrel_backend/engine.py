@@ -8,6 +8,7 @@ event loop on any thread: work hops to the engine loop, results hop back.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import threading
@@ -32,6 +33,10 @@ from .skills.settings import Settings
 
 log = logging.getLogger("kestrel.engine")
 UNHEALTHY_AFTER_FAILED_STEPS = 3
+# When the request being submitted reached the server (time.perf_counter()), set by a front end in the request's
+# task before it calls the engine: a request's TTFT counts from there, the wait for the engine loop included (it
+# runs one step at a time). Unset: from the engine call.
+REQUEST_ARRIVAL: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_arrival", default=None)
 EAGER_WARM_ROWS = 16384  # eager prefill steps are warmed at start-up up to the step budget, at most this many rows
 
 __all__ = ["InferenceEngine", "EngineResult", "EngineStream", "StreamChunk", "EngineOverloaded", "EngineDraining",
@@ -289,7 +294,7 @@ class InferenceEngine:
         return TextGeneration(tok, settings)
 
     async def _submit(self, skill, image, ids, settings, stream, reasoning=False, spatial_refs=(), object_text=""):
-        arrived = time.perf_counter()  # TTFT counts from here: image decode and admission waits included
+        arrived = REQUEST_ARRIVAL.get() or time.perf_counter()  # TTFT counts from here (image decode, admission waits)
         delivery = Delivery(asyncio.get_running_loop(), stream)
         admit = self._admit(skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived, object_text)
         try:

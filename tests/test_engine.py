@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
@@ -55,6 +56,20 @@ def test_batched_equals_alone_equals_golden(engine, tiny_dir, golden):
         _check_against_golden(engine, case, result)
         assert result.output == single[golden.index(case)].output
     assert engine.no_request_holds_pages()
+
+
+def test_ttft_counts_from_the_arrival_a_front_end_gives(engine):
+    """The Triton adapter sets REQUEST_ARRIVAL when execute() takes a request: the engine's TTFT counts from there
+    (the wait for the engine loop included); without it, from the engine call."""
+    from kestrel_backend.engine import REQUEST_ARRIVAL
+
+    async def ttft(arrival):
+        if arrival is not None:
+            REQUEST_ARRIVAL.set(time.perf_counter() - arrival)
+        result = await engine.query(None, "hello", settings={"temperature": 0, "max_tokens": 1})
+        return result.metrics["ttft_ms"]
+
+    assert asyncio.run(ttft(None)) < 400 <= asyncio.run(ttft(0.4))
 
 
 def test_stream_chunks_join_to_final_text(engine, tiny_dir):

@@ -26,7 +26,7 @@ import time
 import uuid
 
 from ..config import RuntimeConfig
-from ..engine import InferenceEngine
+from ..engine import REQUEST_ARRIVAL, InferenceEngine
 from ..errors import EngineDraining, EngineOverloaded, InvalidRequest, RequestCancelled
 from .metrics import TritonMetrics
 from .outbox import GuardedSender, Outbox, Outgoing
@@ -58,6 +58,7 @@ class TritonAdapter:
     # --- Triton's thread ---
     def execute(self, requests) -> None:
         for request in requests:
+            received = time.perf_counter()
             sender = GuardedSender(request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             request_id = request.request_id() or uuid.uuid4().hex
             try:
@@ -66,7 +67,7 @@ class TritonAdapter:
                 self._send_error(sender, str(e))
                 self.outbox.call(self.metrics.request_done, "unknown", "invalid", 0.0)
                 continue
-            asyncio.run_coroutine_threadsafe(self._serve(request_id, wire, sender), self.engine.loop)
+            asyncio.run_coroutine_threadsafe(self._serve(request_id, wire, sender, received), self.engine.loop)
 
     def _input(self, request, name: str):
         tensor = self.pb.get_input_tensor_by_name(request, name)
@@ -78,9 +79,10 @@ class TritonAdapter:
         self.outbox.close()  # after the engine: the errors it ends in-flight requests with go out too
 
     # --- engine loop ---
-    async def _serve(self, request_id: str, wire: WireRequest, sender) -> None:
+    async def _serve(self, request_id: str, wire: WireRequest, sender, received: float) -> None:
+        """received: when execute() took the request (the engine's TTFT counts from there)."""
         self._inflight[asyncio.current_task()] = sender
-        t0 = time.perf_counter()
+        REQUEST_ARRIVAL.set(received)  # (this task's context only)
         outcome, result = "error", None
         try:
             if wire.stream and wire.skill in ("query", "caption"):
@@ -108,7 +110,7 @@ class TritonAdapter:
             self._inflight.pop(asyncio.current_task(), None)
             m = result.metrics if result else {}
             settings = wire.settings or {}
-            self.outbox.call(self.metrics.request_done, wire.skill, outcome, time.perf_counter() - t0,
+            self.outbox.call(self.metrics.request_done, wire.skill, outcome, time.perf_counter() - received,
                              m["ttft_ms"] / 1000 if m else None, m.get("output_tokens", 0),
                              settings.get("adapter") or settings.get("variant"))
 
