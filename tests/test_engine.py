@@ -368,6 +368,22 @@ def test_mixed_steps_decode_running_sequences_in_the_prefill_forward_and_keep_th
         for case, result in zip(cases, asyncio.run(together())):
             _check_against_golden(eng, case, result)
         assert eng.scheduler.steps_mixed > 3 and eng.no_request_holds_pages()
+
+        def boom(batch):  # the first step that both prefills (nothing computed yet) and decodes fails
+            if len({seq.length == seq.cached_tokens for seq in batch}) == 2:
+                eng.scheduler.fault_injector = None
+                raise RuntimeError("injected fault in a mixed step")
+
+        async def burst():
+            return await asyncio.gather(*[eng.query(None, f"count to {i}", settings={"max_tokens": 2 + i % 3})
+                                          for i in range(8)], return_exceptions=True)
+
+        eng.scheduler.fault_injector = boom
+        results = asyncio.run(burst())
+        failed = [r for r in results if isinstance(r, Exception)]
+        assert failed and all("injected fault in a mixed step" in str(e) for e in failed) and len(failed) < 8
+        assert eng.no_request_holds_pages()
+        assert asyncio.run(eng.query(None, "again", settings={"max_tokens": 3})).metrics["output_tokens"] == 3
     finally:
         eng.shutdown()
 
