@@ -334,6 +334,49 @@ def test_engine_prefill_steps_of_several_sequences_through_the_prefill_graphs(ti
         eng.shutdown()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # (spare work items: 0 / 0, never stored)
+def test_mixed_steps_through_the_prefill_graphs_answer_as_separate_steps(tiny_dir):
+    """Mixed steps (KESTREL_MIXED_STEPS) through PrefillGraphs (the prefill attention kernel in Triton's interpreter):
+    three questions on three images through two slots, the third joining as the first takes its last token, so a
+    graph step holds its prompt, the first's last decode row and the second's (each after its image prefix). The
+    answers equal those of separate prefill and decode steps, and every page is given back."""
+    import asyncio
+
+    import numpy as np
+    import pyvips
+
+    from kestrel_backend.config import RuntimeConfig
+    from kestrel_backend.engine import InferenceEngine
+    from kestrel_backend.runtime.prefill_graphs import PrefillGraphs
+
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               max_batch_size=2, max_step_tokens=0))
+    graphs = PrefillGraphs(eng.model, eng.kv, eng.max_context, max_seqs=4)  # (twice the batch, as the engine makes)
+    steps = []  # (rows, first position) of each sequence of each step through the graphs
+    run = graphs.run
+    graphs.run = lambda x, slices: steps.append([(s.end - s.start, s.first_pos) for s in slices]) or run(x, slices)
+
+    def burst(mixed: bool):
+        eng.scheduler.prefill_graphs, eng.scheduler.mixed_steps = graphs, mixed  # (between bursts: nothing running)
+
+        async def three():
+            return await asyncio.gather(*[eng.query(img, q, settings={"temperature": 0, "max_tokens": n})
+                                          for img, (q, n) in zip(images, (("Hi", 2), ("Count", 6), ("Red?", 4)))])
+        return [r.output for r in asyncio.run_coroutine_threadsafe(three(), eng.loop).result(timeout=300)]
+
+    images = [pyvips.Image.new_from_array(np.random.default_rng(seed).integers(0, 256, (120, 160, 3), dtype=np.uint8))
+              .pngsave_buffer() for seed in (5, 6, 7)]
+    try:
+        separate = burst(False)
+        steps.clear()
+        mixed = burst(True)
+        assert mixed == separate and eng.scheduler.steps_mixed >= 1
+        assert any(len(step) == 3 and sum(rows == 1 and first > 0 for rows, first in step) == 2 for step in steps)
+        assert eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("lens, splits, block_n, fc1_first", [([9], 1, 8, 0), ([150], 4, 4, 0), ([1, 70], 2, 8, 0),
                                                               ([150], 4, 4, 24)])
 def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc1_first, monkeypatch):
