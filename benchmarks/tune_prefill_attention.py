@@ -33,7 +33,7 @@ def main() -> None:
                                                           dtype=torch.bfloat16).split(h * d, 1))
         reference = TorchPagedAttention(cache)
         reference.plan(slices)
-        slots = torch.cat([cache.slots(s.seq_id, s.positions) for s in slices])
+        slots = torch.as_tensor(cache.rows((s.seq_id, s.first_pos, s.end - s.start) for s in slices), device="cuda")
         flops = n * 4 * h * d * (prefix * prefix + sum(prefix + i + 1 for i in range(length - prefix)))
         with torch.inference_mode():
             ref = reference(0, q, k, v)  # into layer 0 of the cache; the variants write layer 1

@@ -258,7 +258,7 @@ def test_prefill_graphs_forward_matches_the_flat_step(tiny_model, seqs):
         cached_k, cached_v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
         for cache in caches:
             cache.allocate(seq_id, cached + n + 5)
-            rows = cache.slots(seq_id, torch.arange(cached))
+            rows = torch.as_tensor(cache.rows([(seq_id, 0, cached)]))
             cache.k[:, rows], cache.v[:, rows] = cached_k, cached_v
         x = torch.randn(n, cfg.dim, generator=g)
         slices.append(SeqSlice(seq_id, start, start + n, cached, prefix, torch.arange(cached, cached + n)))
@@ -276,7 +276,7 @@ def test_prefill_graphs_forward_matches_the_flat_step(tiny_model, seqs):
     assert rel_err(caches[1].k, caches[0].k) < 1e-6 and rel_err(caches[1].v, caches[0].v) < 1e-6
     others = torch.ones(caches[1].k.shape[1], dtype=torch.bool)
     for seq_id, (cached, n, _) in enumerate(seqs, 1):
-        others[caches[1].slots(seq_id, torch.arange(cached + n))] = False
+        others[torch.as_tensor(caches[1].rows([(seq_id, 0, cached + n)]))] = False
     assert not caches[1].k[:, others].any() and not caches[1].v[:, others].any()
 
 

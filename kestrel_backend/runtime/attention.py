@@ -54,7 +54,8 @@ class TorchPagedAttention:
                 self._read.append((None, None))
             else:
                 keys = torch.arange(s.first_pos + n, device=dev)
-                self._read.append((self.cache.slots(s.seq_id, keys), attention_mask(s.positions, keys, s.prefix_len)))
+                key_rows = to_device(self.cache.rows([(s.seq_id, 0, s.first_pos + n)]), torch.long, dev)
+                self._read.append((key_rows, attention_mask(s.positions, keys, s.prefix_len)))
         self._prefixes = {p: torch.cat(rows).to(dev) for p, rows in prefix_rows.items()}
 
     def _plan_writes(self, batch: list[SeqSlice]) -> None:

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from ..model.config import TextConfig
-from ..model.layers import to_device
 
 
 class OutOfPages(RuntimeError):
@@ -81,8 +80,3 @@ class PagedKVCache:
             pages = self.table_tensors[seq_id].numpy()[positions // self.page_size].astype(np.int64)
             parts.append(pages * self.page_size + positions % self.page_size)
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-    def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
-        """Flat cache rows for these positions of a sequence."""
-        table = to_device(self.table_tensors[seq_id], torch.int32, positions.device)
-        return table[positions // self.page_size].long() * self.page_size + positions % self.page_size

@@ -187,16 +187,15 @@ class Scheduler:
                 if self.fault_injector:
                     self.fault_injector(batch)
                 outputs = []
-                if new and decoding and self.mixed_steps and self._ahead is None:  # one forward: see mixed_steps
-                    outputs.append((batch, *self._forward_flat(new, decoding), None))
+                mixed = new and decoding and self.mixed_steps and self._ahead is None  # one forward: see mixed_steps
+                if new:  # prefill: whole prompts (and with them, in a mixed step, the running sequences' inputs)
+                    outputs.append((batch if mixed else new, *self._forward_flat(new, decoding if mixed else ()), None))
                     self._keep_prefixes(new)
+                if mixed:
                     staying = [s for s in decoding + new if s.generation.may_continue_after_next_token()]
                     if self.decoder is not None and staying:  # (the next step's rows, unless some end early)
                         self.decoder.prepare([s.id for s in staying], [s.length for s in staying])
                     decoding, self.steps_mixed = [], self.steps_mixed + 1
-                elif new:  # prefill: whole prompts
-                    outputs.append((new, *self._forward_flat(new), None))
-                    self._keep_prefixes(new)
                 t1 = time.perf_counter()
                 if decoding:  # one input per running sequence (next step's alike unless sequences join now)
                     outputs.append((decoding, *self._decode(decoding, launch_ahead=not new)))
