@@ -284,7 +284,8 @@ def one_kernel_check(cfg, f: dict, runs: int = 30) -> dict:
     return out
 
 
-def engine_golden_check(fixture_name: str = "md2-tiny", max_batch_size: int = 32, mixed_steps: int = 0) -> dict:
+def engine_golden_check(fixture_name: str = "md2-tiny", max_batch_size: int = 32,
+                        mixed_steps: int = RuntimeConfig.mixed_steps) -> dict:
     """The whole GPU engine path (prefill, CUDA-graph decode of fused kernels, batched sampling) in float32
     against the reference's greedy tokens and boxes on the tiny fixture: 32 mixed requests at once (a bucket of
     MANY_ROWS sequences: past 640 positions its attention is split over the context), the same 32 again (their

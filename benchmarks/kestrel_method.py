@@ -132,13 +132,12 @@ def summarize(mode: str, batch: int, pairs, bodies: list[dict], wall: float) -> 
             "output_tokens": sum(b["metrics"]["output_tokens"] for b in bodies)}
 
 
-def run_engine(model, batch: int, mode: str, pairs, warmup, max_step_tokens: int, admit_group: int = 0,
-               mixed_steps: int = 0) -> dict:
+def run_engine(model, batch: int, mode: str, pairs, warmup, knobs: dict) -> dict:
+    """knobs: the RuntimeConfig settings this burst's engine runs with (max_step_tokens, admit_group, ...)."""
     settings = {"temperature": 0, "max_tokens": OUTPUT_TOKENS[mode]}
     started = time.perf_counter()
     engine = InferenceEngine(RuntimeConfig(device=str(model.device), max_batch_size=batch, max_queue=1 << 16,
-                                           max_step_tokens=max_step_tokens, admit_group=admit_group,
-                                           mixed_steps=mixed_steps), model)
+                                           **knobs), model)
     try:
         async def burst(items):
             return await asyncio.gather(*[engine.query(image, q, settings=settings) for image, q in items])
@@ -154,8 +153,7 @@ def run_engine(model, batch: int, mode: str, pairs, warmup, max_step_tokens: int
     finally:
         engine.shutdown()
     return {**summarize(mode, batch, pairs, [{"metrics": r.metrics} for r in results], wall),
-            "max_step_tokens": max_step_tokens, "admit_group": admit_group, "mixed_steps": mixed_steps,
-            "engine_start_s": start_s, "burst": spent}
+            **knobs, "engine_start_s": start_s, "burst": spent}
 
 
 def burst_counters(engine) -> dict:
@@ -165,7 +163,8 @@ def burst_counters(engine) -> dict:
     import torch
 
     s = engine.scheduler
-    counters = {"steps": s.steps, "steps_mixed": s.steps_mixed, **{f"{k}_s": v for k, v in s.phase_s.items()}}
+    counters = {"steps": s.steps, "steps_mixed": s.steps_mixed, "prefixes_ahead": s.prefixes_ahead,
+                **{f"{k}_s": v for k, v in s.phase_s.items()}}
     if torch.cuda.is_available():
         m = torch.cuda.memory_stats()
         counters |= {"cuda_mallocs": m.get("num_device_alloc", 0), "alloc_retries": m.get("num_alloc_retries", 0)}
@@ -268,6 +267,8 @@ def main() -> int:
                    help="the engine's admission groups (KESTREL_ADMIT_GROUP), each in turn on a burst of its own")
     p.add_argument("--mixed-steps", type=int, nargs="+", default=[RuntimeConfig.mixed_steps], choices=[0, 1],
                    help="KESTREL_MIXED_STEPS settings, each in turn on a burst of its own")
+    p.add_argument("--prefix-ahead", type=int, nargs="+", default=[RuntimeConfig.prefix_ahead],
+                   help="KESTREL_PREFIX_AHEAD settings, each in turn on a burst of its own")
     p.add_argument("--fp8-experts", default="widen", choices=FP8_EXPERT_MODES,
                    help="what becomes of a checkpoint's FP8 experts (Kestrel's files): as KESTREL_FP8_EXPERTS")
     p.add_argument("--out", type=Path)
@@ -302,10 +303,12 @@ def main() -> int:
     kestrel_side = json.loads(args.kestrel_rows.read_text()) if args.kestrel_rows else {}
     rows = []
     for batch in args.batch_sizes:
-        runs = itertools.product(args.modes, args.max_step_tokens, args.admit_groups, args.mixed_steps)
-        for mode, budget, group, mixed in runs:
+        runs = itertools.product(args.modes, args.max_step_tokens, args.admit_groups, args.mixed_steps,
+                                 args.prefix_ahead)
+        for mode, budget, group, mixed, ahead in runs:
             pairs = fresh_burst()
-            row = run_engine(model, batch, mode, pairs, warmup, budget, group, mixed)
+            knobs = dict(max_step_tokens=budget, admit_group=group, mixed_steps=mixed, prefix_ahead=ahead)
+            row = run_engine(model, batch, mode, pairs, warmup, knobs)
             if ceilings:
                 tokens = [len(model.tokenizer.encode(q).ids) for _, q in pairs]
                 row["floor_req_per_s"] = len(pairs) / floor_s(model.config, pairs, tokens, OUTPUT_TOKENS[mode],
@@ -316,8 +319,8 @@ def main() -> int:
             rows += run_triton(batch, args.modes, fresh_burst, warmup, args.client_processes, args.checkpoint,
                                args.grpc_port)
             print(json.dumps(rows[-len(args.modes):]), flush=True)
-    print("\n| mode | batch | step budget, admit group, mixed | req/s | engine P50 ms | engine TTFT p50 ms "
-          "| floor req/s "
+    print("\n| mode | batch | step budget, admit group, mixed, prefix ahead | req/s | engine P50 ms "
+          "| engine TTFT p50 ms | floor req/s "
           "| Kestrel published req/s (P50) | ours / published | Kestrel here req/s (P50) | ours / here |\n"
           + "| --- " * 11 + "|")
     for r in rows:
@@ -326,7 +329,7 @@ def main() -> int:
         here = kestrel_side.get(mode, {}).get(str(r["batch"]))
         r["kestrel_published"], r["kestrel_here"] = pub, here
         print(f"| {r['mode']} | {r['batch']} | {r.get('max_step_tokens', '')}, {r.get('admit_group', '')}, "
-              f"{r.get('mixed_steps', '')} | "
+              f"{r.get('mixed_steps', '')}, {r.get('prefix_ahead', '')} | "
               f"{r['req_per_s']:.1f} | "
               f"{r['engine_p50_ms']:.0f} | "
               f"{r['engine_ttft_p50_ms']:.0f} | {r.get('floor_req_per_s', float('nan')):.0f} | {_cell(pub)} | "

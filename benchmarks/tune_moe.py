@@ -4,6 +4,7 @@ weights (bf16, random) at a decode step's token count and a prefill's, in TFLOP/
     python benchmarks/tune_moe.py             # the prefill tile candidates below; the kernels against the grouped GEMM
     python benchmarks/tune_moe.py --decode    # a sweep of the up and the down kernel's tiles at 16 and 64 tokens
     python benchmarks/tune_moe.py --one-token # the same inside whole decode steps of one sequence (full-size model)
+    python benchmarks/tune_moe.py --prefill   # a sweep of both kernels' tiles at short prefills' token counts
     add --fp8 (not with --one-token): the experts in FP8 with a scale a row, as Kestrel's checkpoints hold them
 """
 
@@ -32,9 +33,9 @@ CANDIDATES = {
 }
 
 
-def tile_grid(columns, depths, warps, stages) -> list[dict]:
-    return [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
-            for n, k, w, s in itertools.product(columns, depths, warps, stages)]
+def tile_grid(columns, depths, warps, stages, rows=(16,)) -> list[dict]:
+    return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+            for m, n, k, w, s in itertools.product(rows, columns, depths, warps, stages)]
 
 
 def ranked(time_pair, base: tuple, which: int, candidates) -> list[tuple[float, dict]]:
@@ -50,17 +51,19 @@ def ranked(time_pair, base: tuple, which: int, candidates) -> list[tuple[float, 
     return sorted(results, key=lambda r: r[0])
 
 
-def decode_sweep(x_for, moe, m) -> None:
-    """Each kernel's tiles in turn (the other at its current tiles), at a decode step's token counts."""
-    default = mk._tiles
-    grid = tile_grid((32, 64, 128), (64, 128), (4, 8), (3, 4))
-    for tokens in (16, 64):
-        x, current = x_for(tokens), default(tokens, torch.bfloat16)
+def kernel_sweep(x_for, moe, m, counts=(16, 64), grid=None) -> None:
+    """Each kernel's tiles in turn (the other at its current tiles), at these token counts (on the kernels' path,
+    not the grouped GEMM's)."""
+    default, grouped_from = mk._tiles, mk.GROUPED_GEMM_PAIRS
+    mk.GROUPED_GEMM_PAIRS = 10 ** 9
+    grid = grid or tile_grid((32, 64, 128), (64, 128), (4, 8), (3, 4))
+    for tokens in counts:
+        x, current = x_for(tokens), default(tokens, torch.bfloat16, moe.fc1_scale is not None)
         experts = m.n_experts * (1 - (1 - m.n_experts_per_tok / m.n_experts) ** tokens)
         weight_bytes = experts * 3 * x.shape[1] * m.expert_inner_dim * moe.fc1.element_size()
 
         def time_pair(pair) -> float:
-            mk._tiles = lambda t, dtype: pair
+            mk._tiles = lambda *_: pair
             return graph_timed(lambda: mk.moe_mlp_cuda(x, moe), calls=8)
 
         ms = time_pair(current)
@@ -69,7 +72,7 @@ def decode_sweep(x_for, moe, m) -> None:
             best_ms, best = ranked(time_pair, current, which, [current[which]] + grid)[0]
             print(f"{tokens} tokens, best {'up' if which == 0 else 'down'}: {best} {best_ms:.4f} ms, "
                   f"{weight_bytes / best_ms / 1e6:.0f} GB/s", flush=True)
-    mk._tiles = default
+    mk._tiles, mk.GROUPED_GEMM_PAIRS = default, grouped_from
 
 
 def one_token_sweep() -> None:
@@ -112,8 +115,11 @@ def main() -> None:
         moe = fp8_experts(moe)
     if "--one-token" in sys.argv:
         return one_token_sweep()
+    x_for = lambda t: torch.randn(t, dim, device="cuda", generator=gen).bfloat16()  # noqa: E731
     if "--decode" in sys.argv:
-        return decode_sweep(lambda t: torch.randn(t, dim, device="cuda", generator=gen).bfloat16(), moe, m)
+        return kernel_sweep(x_for, moe, m)
+    if "--prefill" in sys.argv:
+        return kernel_sweep(x_for, moe, m, (300, 742, 1484), tile_grid((64, 128), (64, 128), (4, 8), (3, 4), (64, 128)))
     default, grouped_from = mk._tiles, mk.GROUPED_GEMM_PAIRS
     for tokens in (1, 64, 300, 512, 742, 1024, 1484, 2968, 8 * 742):
         x = torch.randn(tokens, dim, device="cuda", generator=gen).bfloat16()
@@ -124,7 +130,7 @@ def main() -> None:
         if tokens > 128:  # prefills: the kernels' tile candidates, and the grouped GEMM path
             paths |= {name: (tiles, 10 ** 9) for name, tiles in CANDIDATES.items()} | {"grouped GEMM": (None, 0)}
         for name, (tiles, grouped_pairs) in paths.items():
-            mk._tiles = default if tiles is None else (lambda t, dtype, tiles=tiles: tiles)
+            mk._tiles = default if tiles is None else (lambda *_, tiles=tiles: tiles)
             mk.GROUPED_GEMM_PAIRS = grouped_pairs
             try:
                 ms = graph_timed(lambda: mk.moe_mlp_cuda(x, moe), calls=4)

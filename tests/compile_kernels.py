@@ -134,7 +134,7 @@ def launch_everything(capability: int) -> None:
                                           fc1_scale=torch.ones(fc1.shape[:2], device=fc1.device),
                                           fc2_scale=torch.ones(fc2.shape[:2], device=fc1.device))
         kinds = (bf16_experts, fp8_experts) if capability >= 89 else (bf16_experts,)  # (e4m3: from Ada on)
-        for t in (1, 64, 256):
+        for t in (1, 8, 64, 256):
             for experts in kinds:
                 mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), experts)
         if capability >= 89:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kestrel_backend import parity
-from kestrel_backend.config import RuntimeConfig
+from kestrel_backend.config import PREFIX_AHEAD_MOE, ConfigError, RuntimeConfig
 from kestrel_backend.engine import (EngineDraining, EngineError, EngineOverloaded, InferenceEngine, InvalidRequest,
                                     RequestCancelled)
 from kestrel_backend.runtime.image_cache import image_key
@@ -425,6 +425,68 @@ def test_under_a_backlog_requests_are_admitted_in_groups(tiny_dir):
         eng.shutdown()
 
 
+def _random_pngs(seed: int, n: int) -> list[bytes]:
+    import pyvips
+
+    rng = np.random.default_rng(seed)
+    return [pyvips.Image.new_from_array(rng.integers(0, 256, (40 + 8 * i, 56, 3), dtype=np.uint8)).pngsave_buffer()
+            for i in range(n)]
+
+
+def test_under_a_backlog_image_prefixes_are_prefilled_ahead_and_answers_stay(engine, tiny_dir):
+    """KESTREL_PREFIX_AHEAD=2 with 2 slots: two long text queries hold them while 7 new images, two questions each,
+    wait. While requests wait for a slot, the prefixes of the images at the head of the queue, 2 or more a step once
+    encoded ahead, are prefilled into the prefix cache, and their requests join with them cached. The answers equal
+    the same burst's with it off (pages enough for all: the policy decides, not memory). A step that fails while
+    prefilling ahead fails its requests only, and every page comes back."""
+    assert engine.scheduler.prefix_ahead == 0  # (the default, -1: by model and batch, off for a dense model)
+    assert [RuntimeConfig(max_batch_size=n).resolved_prefix_ahead(moe) for n in (4, 16) for moe in (False, True)] \
+        == [0, 0, 0, PREFIX_AHEAD_MOE]
+    with pytest.raises(ConfigError, match="KESTREL_PREFIX_AHEAD"):
+        RuntimeConfig(prefix_ahead=-2).validate()
+    images = _random_pngs(5, 7)
+    questions = ("What is this?", "Describe the colors.")
+    engines = {n: InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                                       max_batch_size=2, kv_pages=1024, prefix_ahead=n))
+               for n in (0, 2)}
+    ahead_steps = []
+
+    async def burst(eng, pngs):
+        blockers = [asyncio.ensure_future(eng.query(None, f"count to {i}", settings={"temperature": 0,
+                                                                                      "max_tokens": 60}))
+                    for i in range(2)]
+        await asyncio.sleep(0.05)  # (both admitted: the image requests queue behind them)
+        return await asyncio.gather(*blockers, *[eng.query(png, q, settings={"temperature": 0, "max_tokens": 4})
+                                                 for png in pngs for q in questions], return_exceptions=True)
+
+    try:
+        s = engines[2].scheduler
+        keep = s._keep_prefixes
+        s._keep_prefixes = lambda new, ahead=(): ahead_steps.append(len(ahead)) or keep(new, ahead)
+        answers = {n: [r.output for r in asyncio.run(burst(eng, images))] for n, eng in engines.items()}
+        assert answers[2] == answers[0]
+        assert engines[0].scheduler.prefixes_ahead == 0 and s.prefixes_ahead >= 2
+        assert min(n for n in ahead_steps if n) >= 2
+        assert s.prefix_hits > engines[0].scheduler.prefix_hits
+
+        forward, failed = s._forward_flat, []
+
+        def fails_once_ahead(new, decoding=(), ahead=()):
+            if ahead and not failed:
+                failed.append(len(ahead))
+                raise RuntimeError("injected")
+            return forward(new, decoding, ahead)
+
+        s._forward_flat = fails_once_ahead
+        results = asyncio.run(burst(engines[2], _random_pngs(6, 7)))
+        errors = [r for r in results if isinstance(r, Exception)]
+        assert failed and errors and all(isinstance(e, EngineError) for e in errors) and len(errors) < len(results)
+        assert all(engine.no_request_holds_pages() for engine in engines.values())
+    finally:
+        for eng in engines.values():
+            eng.shutdown()
+
+
 def test_an_image_evicted_between_a_requests_arrival_and_its_admission_is_not_lost(tiny_dir, golden):
     """A request whose image was cached when it arrived carries no crops, only the embedding it found. Here a
     one-image cache evicts that embedding before the request is admitted (one batch slot, held by a long text
@@ -595,7 +657,7 @@ def test_prefix_cache_pages_are_shared_and_given_back():
         prefixes.insert(key, kv.tables[sid], prefix_len=35)
         kv.free(sid)
     assert prefixes.lookup("a") == [] and len(prefixes) == 2 and kv.pages_free == 6
-    prefixes.reclaim(8, keep="c")
+    prefixes.reclaim(8, keep={"c"})
     assert len(prefixes) == 1 and prefixes.lookup("c") and kv.pages_free == 8
 
 
@@ -834,13 +896,15 @@ def test_ttft_counts_from_the_requests_arrival(engine, tiny_dir, monkeypatch):
 
 def test_moondream3_engine_streams_caches_prefixes_and_refuses_what_it_lacks(tiny_dir):
     """Moondream 3 in the engine: a streamed answer joins to the golden text, a second question on an image hits
-    the prefix cache and still equals the golden answer, segment without a refiner answers the coarse outline,
+    the prefix cache and still equals the golden answer (prefixes are prefilled ahead under a backlog by
+    default, unlike Moondream 2's), segment without a refiner answers the coarse outline,
     adapters are a clear error for that request only; no KV page stays held."""
     folder = tiny_dir.parent / "md3-tiny"
     cases = {c["name"]: c for c in json.loads((folder / "cases.json").read_text())["cases"]}
     eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32"))
     try:
         assert eng.max_context == 32768 and eng.model.name == "Moondream 3"
+        assert eng.scheduler.prefix_ahead == PREFIX_AHEAD_MOE  # (by model: on for a mixture of experts, 32 slots)
         image = (folder / "images/small.png").read_bytes()
         case = cases["query_small"]
 

@@ -670,19 +670,21 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, fp8, monkeypatc
     """Moondream 3's grouped expert kernels (pairs grouped by expert, each expert's weights read once a tile of its
     rows; at 40 tokens more than one 16-row tile an expert; at 64 the bf16 decode tiles of 128-deep chunks; at 300 the
     prefill tiles of 128 rows; at 1400 more than 4,096 pairs, grouped by torch's sort, and more than one such tile an
-    expert; at 1 the bf16 tiles of one token; up to 16 tokens the router's logits come from its own kernel)
-    against text.moe_mlp's loop; with FP8 experts (read as FP8, scaled after the dot) against the loop over the
-    experts times their scales."""
+    expert; at 1 the bf16 tiles of one token; at 5 in FP8 its few-token tiles; up to 16 tokens the router's logits
+    come from its own kernel) against text.moe_mlp's loop; with FP8 experts (read as FP8, scaled after the dot)
+    against the loop over the experts times their scales."""
     from benchmarks.kestrel_checkpoint import fp8_experts
     from kestrel_backend.model.text import moe_mlp
     from kestrel_backend.runtime import moe_kernels as mk
 
     if tokens >= 300:  # the bf16 prefill tiles (the interpreter's float32 is exact, and has room for them)
-        monkeypatch.setattr(mk, "_tiles", lambda t, dtype: mk.PREFILL_TILES)
+        monkeypatch.setattr(mk, "_tiles", lambda *_: mk.PREFILL_TILES)
     if tokens == 64:
-        monkeypatch.setattr(mk, "_tiles", lambda t, dtype: mk.DECODE_TILES)
+        monkeypatch.setattr(mk, "_tiles", lambda *_: mk.DECODE_TILES)
     if tokens == 1:
-        monkeypatch.setattr(mk, "_tiles", lambda t, dtype: mk.ONE_TOKEN_TILES)
+        monkeypatch.setattr(mk, "_tiles", lambda *_: mk.ONE_TOKEN_TILES)
+    if tokens == 5 and fp8:
+        monkeypatch.setattr(mk, "_tiles", lambda *_: mk.FP8_FEW_TOKEN_TILES)
     gen = torch.Generator().manual_seed(3)
     moe = random_moe(gen, dim=128, inner=128, experts=8, top_k=top_k)
     if fp8:

@@ -8,6 +8,7 @@ key) until the cache is over capacity or admission needs pages that no sequence 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 from .kv_cache import PagedKVCache
 
@@ -25,6 +26,9 @@ class PrefixCache:
         """Positions of a prefix that fill whole pages: the ones a request can take from here."""
         return prefix_len // self.cache.page_size * self.cache.page_size
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._pages
+
     def lookup(self, key: str) -> list[int]:
         pages = self._pages.get(key, [])
         if pages:
@@ -41,10 +45,10 @@ class PrefixCache:
         while len(self._pages) > self.capacity:
             self.cache.release(self._pages.popitem(last=False)[1])
 
-    def reclaim(self, pages_needed: int, keep: str | None = None) -> None:
-        """Let go of the least recently used prefixes (not `keep`) until `pages_needed` pages are free or
+    def reclaim(self, pages_needed: int, keep: Collection[str] = ()) -> None:
+        """Let go of the least recently used prefixes (not those in `keep`) until `pages_needed` pages are free or
         none is left; those still shared by a running sequence free their pages when it ends."""
-        for key in [k for k in self._pages if k != keep]:
+        for key in [k for k in self._pages if k not in keep]:
             if self.cache.pages_free >= pages_needed:
                 return
             self.cache.release(self._pages.pop(key))

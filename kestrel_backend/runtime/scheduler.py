@@ -5,7 +5,8 @@ list; on a GPU its attention is one Triton kernel per layer, and one sequence al
 a sequence whose image prefix is in the prefix cache starts with those KV pages and prefills the rest),
 then runs one decode forward over one input of every running sequence (a CUDA graph on a GPU), then
 chooses all their tokens at once. With mixed steps, a step that admits sequences takes the running ones'
-inputs into its prefill forward instead. Sequences join between steps and leave
+inputs into its prefill forward instead. Under a backlog, the image prefixes of requests still waiting for a slot
+are prefilled ahead, several in one step, into the prefix cache. Sequences join between steps and leave
 as soon as they finish, fail or are cancelled; their KV pages go back to the free list.
 """
 
@@ -16,6 +17,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,6 +48,20 @@ ROUNDS_BETWEEN_STEPS = 3
 # kernels for new matrix shapes; no Triton kernel compiled then): 10 ms a step more for Moondream 2 on an H100, 15 to
 # 250 for Moondream 3, which held up a server's first burst by 9 to 17%.
 EAGER_PAD = 256
+
+
+@dataclass
+class PrefixAhead:
+    """An image prefix prefilled before its requests are admitted (Scheduler._prefixes_ahead): written into the
+    pages of a placeholder id, then kept by the prefix cache."""
+    key: str
+    id: int  # the placeholder's (negative: no request has it)
+    inputs: torch.Tensor  # [prefix_len, dim]: BOS and the image's tokens
+    first: Sequence  # the waiting request it is prefilled for: its prefill time counts this step's share
+
+    @property
+    def prefix_len(self) -> int:
+        return self.inputs.shape[0]
 
 
 def make_attention(cache: PagedKVCache):
@@ -99,7 +115,7 @@ def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_cont
 class Scheduler:
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
                  decoder=None, prefill_graphs=None, prefix_cache_size: int = 0, crop_encoder=None, adapters=None,
-                 max_step_tokens: int = 0, admit_group: int = 0, mixed_steps: bool = False):
+                 max_step_tokens: int = 0, admit_group: int = 0, mixed_steps: bool = False, prefix_ahead: int = 0):
         self.model = model
         self.cache = cache
         self.images = image_cache
@@ -111,6 +127,13 @@ class Scheduler:
         # (eager or a prefill graph) instead of a decode forward (graph) after it: every weight (every expert of a
         # mixture) is read once a step, not twice
         self.mixed_steps = mixed_steps
+        # Under a backlog, once this many images of waiting requests are encoded and not in the prefix cache, a
+        # step prefills their prefixes together into it (0: off): a prefill step reads every weight (every
+        # expert) however few its rows, and otherwise each freed slot's image is prefilled in a step of its own
+        self.prefix_ahead = prefix_ahead
+        self._placeholder_ids = itertools.count(-(1 << 30), -1)
+        self._slots_full = False  # (set by _admit: requests wait for a slot)
+        self.prefixes_ahead = 0  # image prefixes prefilled ahead of their requests
         self.crop_cost = model.config.crop_cost_in_tokens
         self._spent = 0  # of the budget, by this step's admissions
         self.attention = make_attention(cache)
@@ -182,15 +205,21 @@ class Scheduler:
         batch = new + decoding
         if not batch:
             return
+        ahead: list[PrefixAhead] = []
         try:
             with torch.inference_mode():
                 if self.fault_injector:
                     self.fault_injector(batch)
+                self._prefixes_ahead(new, ahead)
                 outputs = []
-                mixed = new and decoding and self.mixed_steps and self._ahead is None  # one forward: see mixed_steps
-                if new:  # prefill: whole prompts (and with them, in a mixed step, the running sequences' inputs)
-                    outputs.append((batch if mixed else new, *self._forward_flat(new, decoding if mixed else ()), None))
-                    self._keep_prefixes(new)
+                prefilling = new or ahead
+                mixed = prefilling and decoding and self.mixed_steps and self._ahead is None  # see mixed_steps
+                if prefilling:  # whole prompts (in a mixed step also the running sequences' inputs), prefixes ahead
+                    seqs = batch if mixed else new
+                    logits, hidden = self._forward_flat(new, decoding if mixed else (), ahead)
+                    if seqs:
+                        outputs.append((seqs, logits, hidden, None))
+                    self._keep_prefixes(new, ahead)
                 if mixed:
                     staying = [s for s in decoding + new if s.generation.may_continue_after_next_token()]
                     if self.decoder is not None and staying:  # (the next step's rows, unless some end early)
@@ -205,8 +234,11 @@ class Scheduler:
                 self._prepare_next_step()  # (on the GPU after this step's work, while the tokens are read)
                 chosen = [tokens.tolist() for tokens in picks]
                 t3 = time.perf_counter()
-                for seq in new:  # until its first token is chosen (and its image's encode, if done ahead)
-                    seq.prefill_ms = (t3 - t0) * 1000 + (seq.encoded_ahead.ms() if seq.encoded_ahead else 0.0)
+                for a in ahead:  # (each prefix its share of the step)
+                    a.first.prefilled_ahead_ms += (t3 - t0) * 1000 / len(ahead)
+                for seq in new:  # until its first token is chosen (and its image's encode and prefix, if done ahead)
+                    seq.prefill_ms = ((t3 - t0) * 1000 + (seq.encoded_ahead.ms() if seq.encoded_ahead else 0.0)
+                                      + seq.prefilled_ahead_ms)
                 self._chosen = {}
                 for (seqs, _, hidden, _), tokens in zip(outputs, chosen):
                     for seq, token, h in zip(seqs, tokens, hidden):
@@ -222,6 +254,9 @@ class Scheduler:
             self.consecutive_failures += 1
             for seq in batch:
                 self._end(seq, error=EngineError(f"inference step failed: {type(e).__name__}: {e}"))
+        finally:
+            for a in ahead:  # (the prefix cache holds the pages of those written)
+                self.cache.free(a.id)
         self.steps += 1
 
     def _admit(self) -> list[Sequence]:
@@ -238,7 +273,7 @@ class Scheduler:
         leaving = sum(not seq.generation.may_continue_after_next_token() for seq in self.running)
         free = self.max_batch_size - (len(self.running) - leaving)
         if self.running and free < min(self.admit_group, len(self.waiting)):
-            self._spent = 0  # (the budget goes to encoding waiting images ahead)
+            self._spent, self._slots_full = 0, True  # (the budget goes to encoding waiting images ahead)
             return []  # a prefill step of a few rows reads every weight (every expert) as one of many would
         while self.waiting and len(self.running) - leaving < self.max_batch_size:
             seq = self.waiting[0]
@@ -251,7 +286,7 @@ class Scheduler:
                 break  # (a request larger than the budget still runs: in a step of its own)
             need = self.cache.pages_for(seq.capacity) - len(shared)
             if need > self.cache.pages_free:
-                self.prefixes.reclaim(need, keep=seq.prefix_key)
+                self.prefixes.reclaim(need, keep={seq.prefix_key})
                 if need > self.cache.pages_free:
                     break  # wait for pages; FIFO keeps big requests from starving
             self.waiting.popleft()
@@ -267,6 +302,7 @@ class Scheduler:
             new.append(seq)
         self.waiting.extendleft(reversed(deferred))  # (at the head again, in their order)
         self._spent = spent
+        self._slots_full = bool(self.waiting) and len(self.running) - leaving >= self.max_batch_size
         return self._attach_images(new)
 
     def _encodes_ahead(self) -> bool:
@@ -287,12 +323,56 @@ class Scheduler:
             tokens += len(seq.cropped[0]) * self.crop_cost
         return tokens
 
-    def _keep_prefixes(self, prefilled: list[Sequence]) -> None:
+    def _keep_prefixes(self, prefilled: list[Sequence], ahead: list[PrefixAhead] = ()) -> None:
         """Offer the image prefixes just written to the prefix cache (in stream order, later steps read them
         after this one has written them)."""
         for seq in prefilled:
             if seq.image_key is not None and not seq.cached_tokens:
                 self.prefixes.insert(seq.prefix_key, self.cache.tables[seq.id], seq.prefix_len)
+        for a in ahead:
+            self.prefixes.insert(a.key, self.cache.tables[a.id], a.prefix_len)
+        self.prefixes_ahead += len(ahead)
+
+    def _ahead_window(self) -> int:
+        """How many requests at the head of the queue have their images encoded and prefilled ahead."""
+        return 4 * self.prefix_ahead
+
+    def _prefixes_ahead(self, new: list[Sequence], ahead: list[PrefixAhead]) -> None:
+        """Under a backlog (every slot taken, requests waiting), the image prefixes of the requests at the head of the
+        queue to prefill in this step (appended to `ahead`, each in the pages of a placeholder id), once at least
+        prefix_ahead of their images are encoded and not in the prefix cache: those requests then join with their
+        prefix cached (a question's few rows, in a decode step), and the prefixes are prefilled several in one
+        step. Within what the step's budget has left, leaving the pages the next request needs. No request
+        with an adapter (its prefix's KV depends on it)."""
+        if not (self.prefix_ahead and self.prefixes.capacity and self._slots_full):
+            return
+        taken = {seq.prefix_key for seq in new}
+        window = list(itertools.islice(self.waiting, self._ahead_window()))
+        ready: dict[str, tuple[Sequence, torch.Tensor]] = {}
+        for seq in window:
+            key = seq.prefix_key
+            if seq.image_key is None or seq.adapter is not None or key in ready or key in taken or key in self.prefixes:
+                continue
+            emb = seq.held_embedding if seq.held_embedding is not None else self.images.get(seq.image_key)
+            if emb is not None:
+                ready[key] = (seq, emb)
+        if len(ready) < self.prefix_ahead:
+            return
+        room = self.max_step_tokens - self._spent if self.max_step_tokens else 1 << 62
+        reserve = self.cache.pages_for(self.waiting[0].capacity)
+        needed = {seq.prefix_key for seq in window}  # (prefixes of other images may make room)
+        for key, (seq, emb) in ready.items():
+            inputs = self.model.image_prefix(emb)
+            rows = inputs.shape[0]
+            if rows > room:
+                break
+            self.prefixes.reclaim(self.cache.pages_for(rows) + reserve, keep=needed)
+            if self.cache.pages_free < self.cache.pages_for(rows) + reserve:
+                break
+            ahead.append(PrefixAhead(key, next(self._placeholder_ids), inputs, seq))
+            self.cache.allocate(ahead[-1].id, rows)
+            room -= rows
+        self._spent = self.max_step_tokens - room if self.max_step_tokens else 0
 
     def _attach_images(self, seqs: list[Sequence]) -> list[Sequence]:
         """Image prefixes for newly admitted sequences: cached embeddings, else one batched encode."""
@@ -352,7 +432,7 @@ class Scheduler:
         image, so that an image larger than the budget is still encoded. Each image's encode time is counted in
         the prefill time of the sequence it was encoded for."""
         room = self.max_step_tokens - self._spent
-        window = max(self.max_batch_size - len(self.running), 2)
+        window = max(self.max_batch_size - len(self.running), 2, self._ahead_window() if self._slots_full else 0)
         needing: dict[str, Sequence] = {}  # image key -> the first sequence that needs its encode
         for seq in itertools.islice(self.waiting, window):
             if not self._needs_encode(seq) or seq.image_key in needing:
@@ -426,37 +506,41 @@ class Scheduler:
         return all(s.generation.feeds_back_tokens and c.temperature == 0 and s.length < s.capacity
                    and s.generation.may_continue_after_next_token() for s, c in zip(seqs, choices))
 
-    def _forward_flat(self, prefilling: list[Sequence], decoding: list[Sequence] = ()):
+    def _forward_flat(self, prefilling: list[Sequence], decoding: list[Sequence] = (),
+                      ahead: list[PrefixAhead] = ()):
         """One forward over a flat token list through self.attention: the whole prompts of `prefilling` (from the
-        first position not in the cache yet), then one input of each of `decoding`. -> (logits, last hidden) of
-        each sequence in that order."""
+        first position not in the cache yet), then one input of each of `decoding`, then the image prefixes of
+        `ahead`. -> (logits, last hidden) of each sequence of prefilling and decoding, in that order."""
         m, pieces = self.model, []
         for seq in prefilling:
             x = m.embed_prompt(seq.token_ids, seq.prompt_overrides)
             pieces.append((torch.cat([seq.next_input, x], dim=0) if seq.prefix_len else x)[seq.length:])
         if decoding:
             pieces += list(self._inputs(decoding)[:, None, :])
-        seqs, prefill = list(prefilling) + list(decoding), bool(prefilling)
-        positions = to_device(np.concatenate([np.arange(s.length, s.length + len(x)) for s, x in zip(seqs, pieces)]),
-                              torch.long, m.device)  # (one copy for the step, not an operation a sequence)
+        pieces += [a.inputs for a in ahead]
+        seqs, prefill = list(prefilling) + list(decoding), bool(prefilling or ahead)
+        spans = [(s.id, s.length, s.prefix_len) for s in seqs] + [(a.id, 0, a.prefix_len) for a in ahead]
+        positions = to_device(np.concatenate([np.arange(first, first + len(x)) for (_, first, _), x in
+                                              zip(spans, pieces)]), torch.long, m.device)  # (one copy a step)
         slices, start = [], 0
-        for seq, x in zip(seqs, pieces):
-            slices.append(SeqSlice(seq.id, start, start + len(x), seq.length, seq.prefix_len,
-                                   positions[start:start + len(x)]))
+        for (seq_id, first, prefix_len), x in zip(spans, pieces):
+            slices.append(SeqSlice(seq_id, start, start + len(x), first, prefix_len, positions[start:start + len(x)]))
             start += len(x)
+        for seq, x in zip(seqs, pieces):
             seq.length += len(x)
         x = torch.cat(pieces)
-        lora = LoraRows.of([s.adapter for s in seqs], [len(p) for p in pieces])
+        lora = LoraRows.of([s.adapter for s in seqs] + [None] * len(ahead), [len(p) for p in pieces])
         if prefill and lora is None and self.prefill_graphs is not None and \
                 self.prefill_graphs.fits([len(p) for p in pieces]):
-            return self.prefill_graphs.run(x, slices)
+            logits, hidden = self.prefill_graphs.run(x, slices)
+            return logits[:len(seqs)], hidden[:len(seqs)]
         pad = -x.shape[0] % self.eager_pad if prefill and self.eager_pad else 0
         if pad:  # (padded rows: computed, neither stored nor attended to, dropped; no adapter's span covers them)
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
             positions = torch.cat([positions, positions.new_zeros(pad)])
         self.attention.plan(slices)
         hidden = m.forward(x, positions, self.attention, lora)
-        last = hidden.index_select(0, to_device([s.end - 1 for s in slices], torch.long, hidden.device))
+        last = hidden.index_select(0, to_device([s.end - 1 for s in slices[:len(seqs)]], torch.long, hidden.device))
         return m.logits(last), last
 
     def warm_eager_prefill(self, up_to: int) -> None:

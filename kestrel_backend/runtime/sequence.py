@@ -141,6 +141,7 @@ class Sequence:
     t_end: float = 0.0  # when it left the batch
     prefill_ms: float = 0.0
     encoded_ahead: object = None  # the EncodeClock of its image's encode, if done before it was admitted
+    prefilled_ahead_ms: float = 0.0  # its share of the step that prefilled its image prefix before it was admitted
 
     @property
     def prefix_key(self) -> str | None:
