@@ -377,6 +377,55 @@ def test_mixed_steps_through_the_prefill_graphs_answer_as_separate_steps(tiny_di
         eng.shutdown()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # (spare work items: 0 / 0, never stored)
+def test_prefixes_ahead_through_the_prefill_graphs_answer_as_without(tiny_dir):
+    """Prefixes ahead (KESTREL_PREFIX_AHEAD) through PrefillGraphs (the prefill attention kernel in Triton's
+    interpreter): two text queries hold both slots while questions on two encoded images wait; a graph step then
+    holds the two running rows and two image prefixes in placeholder page tables (bidirectional over the prefix),
+    which the waiting requests find in the prefix cache. The answers equal those with it off, and every page is
+    given back."""
+    import asyncio
+
+    import numpy as np
+    import pyvips
+
+    from kestrel_backend.config import RuntimeConfig
+    from kestrel_backend.engine import InferenceEngine
+    from kestrel_backend.runtime.prefill_graphs import PrefillGraphs
+
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               max_batch_size=2, kv_pages=1024, prefix_ahead=0))
+    s = eng.scheduler
+    graphs = PrefillGraphs(eng.model, eng.kv, eng.max_context, max_seqs=4)
+    steps = []  # the sequence ids of each step through the graphs
+    run = graphs.run
+    graphs.run = lambda x, slices: steps.append([sl.seq_id for sl in slices]) or run(x, slices)
+    images = [pyvips.Image.new_from_array(np.random.default_rng(seed).integers(0, 256, (90, 120, 3), dtype=np.uint8))
+              .pngsave_buffer() for seed in (11, 12)]
+
+    def burst(ahead: int):
+        async def on_the_loop():
+            s.prefill_graphs, s.prefix_ahead = graphs, ahead  # (between bursts: nothing running)
+            s.prefixes.reclaim(eng.kv.num_pages)  # (the images stay encoded)
+            text = [asyncio.ensure_future(eng.query(None, f"count to {i}", settings={"temperature": 0,
+                                                                                       "max_tokens": 8}))
+                    for i in range(2)]
+            await asyncio.sleep(0.05)
+            return await asyncio.gather(*text, *[eng.query(img, q, settings={"temperature": 0, "max_tokens": 3})
+                                                 for img in images for q in ("What?", "Why?")])
+        return [r.output for r in asyncio.run_coroutine_threadsafe(on_the_loop(), eng.loop).result(timeout=300)]
+
+    try:
+        without = burst(0)
+        steps.clear()
+        ahead = burst(2)
+        assert ahead == without and s.prefixes_ahead >= 2
+        assert any(sum(i < 0 for i in ids) >= 2 and len(ids) >= 3 for ids in steps)  # (prefixes beside running rows)
+        assert eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("lens, splits, block_n, fc1_first", [([9], 1, 8, 0), ([150], 4, 4, 0), ([1, 70], 2, 8, 0),
                                                               ([150], 4, 4, 24)])
 def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc1_first, monkeypatch):
