@@ -353,7 +353,7 @@ class Scheduler:
             key = seq.prefix_key
             if seq.image_key is None or seq.adapter is not None or key in ready or key in taken or key in self.prefixes:
                 continue
-            emb = seq.held_embedding if seq.held_embedding is not None else self.images.get(seq.image_key)
+            emb = self._embedding(seq)
             if emb is not None:
                 ready[key] = (seq, emb)
         if len(ready) < self.prefix_ahead:
@@ -385,11 +385,15 @@ class Scheduler:
             seqs = [seq for seq in seqs if seq.image_key not in pending]
         for seq in seqs:
             if seq.image_key is not None:
-                emb = seq.held_embedding if seq.held_embedding is not None else self.images.get(seq.image_key)
+                emb = self._embedding(seq)
                 seq.cropped = seq.held_embedding = None
                 seq.prefix_len = emb.shape[0] + 1
                 seq.next_input = self.model.image_prefix(emb)
         return seqs
+
+    def _embedding(self, seq: Sequence) -> torch.Tensor | None:
+        """seq's image embedding: the one it holds (found cached on arrival), else the image cache's, if there."""
+        return seq.held_embedding if seq.held_embedding is not None else self.images.get(seq.image_key)
 
     def _restore_held(self, seqs) -> None:
         """Embeddings that admitted requests found cached on arrival and the cache has evicted since: back into
