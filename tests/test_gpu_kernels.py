@@ -24,12 +24,25 @@ def segment_tensors(slots: list[int]) -> tuple[torch.Tensor, ...]:
     return tuple(torch.tensor(v, dtype=torch.int32) for v in segments(slots))
 
 
+@pytest.fixture
+def full_size_tiles(monkeypatch):
+    """The GEMV form's tiles as full-size widths get them: the tiny models are about 16x narrower, so their
+    programs' target shrinks as much (N tiles of 4 to 8 columns, not 1; the interpreter runs each program
+    in Python, so this also keeps the tests fast)."""
+    tiles = dk._tiles
+
+    def scaled(*args, gemv_programs: int = 1024, **kwargs):
+        return tiles(*args, gemv_programs=gemv_programs // 16, **kwargs)
+
+    monkeypatch.setattr(dk, "_tiles", scaled)
+
+
 def rel_err(got, ref):
     return float((got.double() - ref.double()).norm() / ref.double().norm())
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 40])  # 1 and 2 rows take the GEMV form, more rows tensor cores
-def test_norm_linear_matches_layer_norm_then_linear(m):
+def test_norm_linear_matches_layer_norm_then_linear(m, full_size_tiles):
     g = torch.Generator().manual_seed(m)
     k, n1, n2 = 128, 384, 256
     x = torch.randn(m, k, generator=g) * 3 + 1
@@ -428,12 +441,13 @@ def test_prefixes_ahead_through_the_prefill_graphs_answer_as_without(tiny_dir):
 
 @pytest.mark.parametrize("lens, splits, block_n, fc1_first", [([9], 1, 8, 0), ([150], 4, 4, 0), ([1, 70], 2, 8, 0),
                                                               ([150], 4, 4, 24)])
-def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc1_first, monkeypatch):
+def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc1_first, monkeypatch,
+                                                       full_size_tiles):
     """The one-kernel form (attention programs waiting on the qkv programs of their head, with or without
     fc1 programs launched between) equals norm_linear followed by rotary_paged_attention, and each qkv
     program counted itself in once."""
     monkeypatch.setattr(dk, "ONE_KERNEL_FC1_FIRST", fc1_first)
-    cfg = TextConfig(dim=256, ff_dim=512, n_layers=1, n_heads=4, n_kv_heads=4)
+    cfg = TextConfig(dim=128, ff_dim=256, n_layers=1, n_heads=2, n_kv_heads=2)  # head_dim 64, as Moondream
     g = torch.Generator().manual_seed(len(lens) * 10 + splits)
     m, h, d, page = len(lens), cfg.n_heads, cfg.head_dim, 16
     k_cache, v_cache, tables, slots = _paged_context(lens, page, h, d, g)
@@ -451,7 +465,7 @@ def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc
     attn_ref = dk.rotary_paged_attention(qkv, cos, sin, k_ref, v_ref, tables, seq_lens, slots, h, page, splits=splits)
     sync = torch.zeros(dk.one_kernel_counters(h, m), dtype=torch.int32)
     attn, fc1 = dk.norm_linear_attention(x, ln_w, ln_b, wq, bq, wf, bf, cos, sin, k_cache, v_cache, tables, seq_lens,
-                                         slots, page, sync, splits, tiles=(m, block_n, 256, 4, 2, False))
+                                         slots, page, sync, splits, tiles=(m, block_n, 64, 4, 2, False))
     assert rel_err(attn, attn_ref) < 1e-6 and rel_err(fc1, fc1_ref) < 1e-6
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # the new token's k/v, nothing else
     stride = dk.ARRIVAL_STRIDE
@@ -465,7 +479,8 @@ def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc
     (1, None, False, "md2-tiny"), (1, 1, False, "md2-tiny"), (2, None, False, "md2-tiny"), (3, None, False, "md2-tiny"),
     (1, None, True, "md2-tiny"), (3, None, True, "md2-tiny"), (1, None, False, "md3-tiny"), (3, None, False, "md3-tiny"),
     (1, None, False, "md2-tiny-4bit"), (3, None, False, "md2-tiny-4bit")])
-def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n_seqs, splits, adapters, fixture):
+def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n_seqs, splits, adapters, fixture,
+                                                         full_size_tiles):
     """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch
     step, after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens:
     the interpreter runs every program in Python. With adapters: rows of adapters r8, none and r4 (from a
