@@ -821,6 +821,24 @@ def test_route_kernel_picks_the_top_experts_and_groups_the_pairs(tokens, experts
     assert tied.any() and (ids[:, 1:] > ids[:, :-1])[tied].all()
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_the_router_kernels_last_program_routes_as_the_route_kernel(tokens):
+    """route_experts (the router's logits, then in the same launch its last program's routing) gives the gates and
+    groups of route_and_group on router_logits, twice in a row: its done counter is back at zero after a launch."""
+    from kestrel_backend.runtime import moe_kernels as mk
+
+    gen = torch.Generator().manual_seed(tokens)
+    moe = random_moe(gen, dim=96, inner=80, experts=12, top_k=3)
+    x = torch.randn(tokens, 96, generator=gen)
+    gates, order, starts = mk.route_and_group(mk.router_logits(x, moe.router.weight, moe.router.bias), 3, x.dtype)
+    groups = [sorted(order[starts[e]:starts[e + 1]].tolist()) for e in range(12)]
+    for _ in range(2):
+        got_gates, got_order, got_starts = mk.route_experts(x, moe.router, 3)
+        assert torch.equal(got_gates, gates) and torch.equal(got_starts, starts)
+        assert [sorted(got_order[starts[e]:starts[e + 1]].tolist()) for e in range(12)] == groups
+        assert mk._done_counter(x).item() == 0
+
+
 @pytest.mark.parametrize("top_k, norm", [(3, True), (0, True), (3, False)])
 def test_residual_norm_kernel_matches_torch(top_k, norm):
     """The end of a Moondream 3 decode layer in one kernel (expert rows summed, + proj, + x, the next layer's

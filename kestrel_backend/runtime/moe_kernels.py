@@ -1,14 +1,15 @@
 """Moondream 3's expert MLPs on the GPU as grouped work, with no host sync (so decode steps replay as CUDA graphs).
 
-One program (`_route_kernel`) takes each token's top-k experts from the router's logits and their softmax
-weights, and groups the (token, expert) pairs by expert on the device (past ONE_PROGRAM_PAIRS pairs, in long
-prefills: torch's topk and sort). A program of `_moe_up_kernel` takes one expert and one block of its inner
-columns and runs every pair routed to that expert through fc1 (tiles of 16 rows in decode steps, 128 in prefill;
-tensor-core dots), reading the expert's weights once a tile, then applies gelu(h) * (g + 1). `_moe_down_kernel`
-does the same through fc2 and scales each row by its routing weight; the k rows of a token are summed in float32
-at the end (in decode steps by residual_kernels, with the residual). Experts no token chose cost one program that
-returns at once. FP8 experts (Kestrel's checkpoints) are read as FP8, half the bytes, widened to the activations'
-type in the kernels, and each output column scaled by its row's float32 scale after the dot.
+One program (`_route`) takes each token's top-k experts from the router's logits and their softmax weights, and
+groups the (token, expert) pairs by expert on the device (past ONE_PROGRAM_PAIRS pairs, in long prefills: torch's
+topk and sort); for a few tokens it is the last program of the router's own kernel. A program of
+`_moe_up_kernel` takes one expert and one block of its inner columns and runs every pair routed to that expert
+through fc1 (tiles of 16 rows in decode steps, 128 in prefill; tensor-core dots), reading the expert's weights once
+a tile, then applies gelu(h) * (g + 1). `_moe_down_kernel` does the same through fc2 and scales each row by its
+routing weight; the k rows of a token are summed in float32 at the end (in decode steps by residual_kernels, with
+the residual). Experts no token chose cost one program that returns at once. FP8 experts (Kestrel's checkpoints)
+are read as FP8, half the bytes, widened to the activations' type in the kernels, and each output column scaled by
+its row's float32 scale after the dot.
 
 Long bf16 prefills on Hopper and later take another path (`_moe_mlp_grouped`): the pairs' rows gathered in
 expert order, both matmuls as torch's grouped GEMM (CUTLASS: about 600 TFLOP/s on an H100 where the kernels
@@ -18,6 +19,9 @@ unless widened copies are kept beside them (KESTREL_FP8_EXPERTS=both: `experts_f
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -96,9 +100,13 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, order_ptr, starts_ptr, gates_ptr, 
 
 @triton.jit
 def _router_kernel(x_ptr, x_stride, w_ptr, b_ptr, out_ptr, T, K: tl.constexpr, E: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr, done_ptr, ids_ptr, gates_ptr,
+                   starts_ptr, fill_ptr, order_ptr, E_P2: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                   BINS: tl.constexpr, ROUTE_BLOCK_T: tl.constexpr):
     """The router's logits of a few tokens, one program an expert (cuBLAS runs this 64 x 2048 product in one
-    block: 5.1 us at batch 1 against 3.0; the decode step of one token 1.596 against 1.614 ms)."""
+    block: 5.1 us at batch 1 against 3.0; the decode step of one token 1.596 against 1.614 ms). ROUTE: the last
+    program to finish then routes the step (_route) and sets the done counter back to zero: a launch less on the
+    decode step's critical path."""
     e = tl.program_id(0)
     offs_t = tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
@@ -112,6 +120,12 @@ def _router_kernel(x_ptr, x_stride, w_ptr, b_ptr, out_ptr, T, K: tl.constexpr, E
         acc += tl.sum(x.to(tl.float32) * w.to(tl.float32)[None, :], axis=1)
     acc += tl.load(b_ptr + e).to(tl.float32)
     tl.store(out_ptr + offs_t * E + e, acc.to(out_ptr.dtype.element_ty), mask=t_mask)
+    if ROUTE:
+        tl.debug_barrier()  # every thread's logits are stored before the count says so
+        if tl.atomic_add(done_ptr, 1, sem="acq_rel") == E - 1:
+            tl.store(done_ptr, 0)
+            _route(out_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E, E_P2, TOP_K, K_P2, BINS,
+                   ROUTE_BLOCK_T)
 
 
 @triton.jit
@@ -156,6 +170,12 @@ def _combine_kernel(y_ptr, where_ptr, gates_ptr, out_ptr, N: tl.constexpr, TOP_K
 @triton.jit
 def _route_kernel(logits_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E: tl.constexpr,
                   E_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr):
+    _route(logits_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E, E_P2, K, K_P2, BINS, BLOCK_T)
+
+
+@triton.jit
+def _route(logits_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E: tl.constexpr, E_P2: tl.constexpr,
+           K: tl.constexpr, K_P2: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr):
     """One program for the whole step: each token's top-K experts by router logit, best first (ties: the lower
     expert id), and the softmax of those K logits in float32 (text.top_experts' values); then the (token, slot)
     pairs grouped by expert: where each expert's run starts, and every pair placed in its expert's run (an atomic
@@ -165,7 +185,7 @@ def _route_kernel(logits_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         t_mask = offs_t < T
-        logits = tl.load(logits_ptr + offs_t[:, None] * E + offs_e[None, :],
+        logits = tl.load(logits_ptr + offs_t[:, None] * E + offs_e[None, :], cache_modifier=".cg",  # (other programs')
                          mask=t_mask[:, None] & (offs_e < E)[None, :], other=float("-inf")).to(tl.float32)
         logits = tl.where(t_mask[:, None], logits, 0.0)  # (rows past T: finite, written nowhere)
         top = tl.full([BLOCK_T, K_P2], float("-inf"), tl.float32)
@@ -210,16 +230,70 @@ def route_and_group(logits: torch.Tensor, top_k: int, dtype: torch.dtype):
         counts = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
         counts.scatter_add_(0, flat.long() + 1, torch.ones_like(flat))
         return gates, torch.argsort(flat, stable=True).to(torch.int32), counts.cumsum(0, dtype=torch.int32)
-    dev = logits.device
-    ids, order = (torch.empty(pairs, dtype=torch.int32, device=dev) for _ in range(2))
-    gates = torch.empty(t, top_k, dtype=dtype, device=dev)
-    starts = torch.empty(n_experts + 1, dtype=torch.int32, device=dev)
-    fill = torch.empty(n_experts, dtype=torch.int32, device=dev)
-    _route_kernel[(1,)](logits, t, ids, gates, starts, fill, order, E=n_experts,
-                        E_P2=triton.next_power_of_2(n_experts), K=top_k, K_P2=triton.next_power_of_2(top_k),
-                        BINS=triton.next_power_of_2(n_experts + 1), BLOCK_T=min(64, max(16, triton.next_power_of_2(t))),
-                        num_warps=4)
-    return gates, order, starts
+    r = _Routing.empty(t, n_experts, top_k, dtype, logits.device)
+    _route_kernel[(1,)](logits, t, *r, **_route_constants(t, n_experts, top_k), num_warps=4)
+    return r.gates, r.order, r.starts
+
+
+class _Routing(NamedTuple):
+    """_route's outputs and scratch, in its arguments' order."""
+    ids: torch.Tensor  # [T * k] int32: each pair's expert
+    gates: torch.Tensor  # [T, k]
+    starts: torch.Tensor  # [E + 1] int32
+    fill: torch.Tensor  # [E] int32 (scratch)
+    order: torch.Tensor  # [T * k] int32: pair indices grouped by expert
+
+    @classmethod
+    def empty(cls, t: int, n_experts: int, top_k: int, dtype: torch.dtype, dev) -> "_Routing":
+        ids, order = (torch.empty(t * top_k, dtype=torch.int32, device=dev) for _ in range(2))
+        starts, fill = (torch.empty(n, dtype=torch.int32, device=dev) for n in (n_experts + 1, n_experts))
+        return cls(ids, torch.empty(t, top_k, dtype=dtype, device=dev), starts, fill, order)
+
+
+def _route_constants(t: int, n_experts: int, top_k: int) -> dict:
+    return dict(E=n_experts, E_P2=triton.next_power_of_2(n_experts), K=top_k, K_P2=triton.next_power_of_2(top_k),
+                BINS=triton.next_power_of_2(n_experts + 1), BLOCK_T=min(64, max(16, triton.next_power_of_2(t))))
+
+
+ROUTER_KERNEL_TOKENS = 16  # up to here the router's logits come from _router_kernel (and it routes them), else cuBLAS
+
+
+def route_experts(x: torch.Tensor, router, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """route_and_group(router_logits(x, ...), top_k, x.dtype)'s result; up to ROUTER_KERNEL_TOKENS tokens in one
+    launch (the router kernel's last program routes)."""
+    t, d = x.shape
+    n_experts = router.weight.shape[0]
+    if t > ROUTER_KERNEL_TOKENS or x.stride(1) != 1 or t * top_k > ONE_PROGRAM_PAIRS:
+        return route_and_group(router_logits(x, router.weight, router.bias), top_k, x.dtype)
+    logits = torch.empty(t, n_experts, device=x.device, dtype=x.dtype)
+    r = _Routing.empty(t, n_experts, top_k, x.dtype, x.device)
+    route = _route_constants(t, n_experts, top_k)
+    _router_kernel[(n_experts,)](x, x.stride(0), router.weight, router.bias, logits, t, d, n_experts,
+                                 **_router_tiles(t, d), ROUTE=True, done_ptr=_done_counter(x), ids_ptr=r.ids,
+                                 gates_ptr=r.gates, starts_ptr=r.starts, fill_ptr=r.fill, order_ptr=r.order,
+                                 E_P2=route["E_P2"], TOP_K=top_k, K_P2=route["K_P2"], BINS=route["BINS"],
+                                 ROUTE_BLOCK_T=route["BLOCK_T"])
+    return r.gates, r.order, r.starts
+
+
+def _done_counter(x: torch.Tensor) -> torch.Tensor:
+    """The router kernel's count of its finished programs, zero between launches (the last program resets it): one
+    for each stream, on which launches run one after another (a CUDA graph uses the one of the stream it was
+    captured on, and replays one at a time)."""
+    return _counter(x.device, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
+
+
+@functools.lru_cache
+def _counter(device: torch.device, stream: int) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _router_tiles(t: int, d: int) -> dict:
+    """For a few tokens each program reads its expert's whole row in one pass (H100, Moondream 3's decode step of
+    one token, with the positions worked out once a step: 1.509 against 1.537 ms with 512-wide chunks); tiles of
+    at most 8192 values."""
+    block_t = max(2, triton.next_power_of_2(t))
+    return dict(BLOCK_T=block_t, BLOCK_K=min(triton.next_power_of_2(d), max(256, 8192 // block_t)), num_warps=4)
 
 
 def _tiles(tokens: int, dtype: torch.dtype, scaled: bool = False) -> tuple[dict, dict]:
@@ -274,12 +348,12 @@ GROUPED_GEMM_PAIRS = 4096
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight, bias): for a few tokens one program an expert, else cuBLAS."""
     t, d = x.shape
-    if t > 16 or x.stride(1) != 1:
+    if t > ROUTER_KERNEL_TOKENS or x.stride(1) != 1:
         return F.linear(x, weight, bias)
     out = torch.empty(t, weight.shape[0], device=x.device, dtype=x.dtype)
-    _router_kernel[(weight.shape[0],)](x, x.stride(0), weight, bias, out, t, K=d, E=weight.shape[0],
-                                       BLOCK_T=max(2, triton.next_power_of_2(t)),
-                                       BLOCK_K=min(512, triton.next_power_of_2(d)), num_warps=2)
+    _router_kernel[(weight.shape[0],)](x, x.stride(0), weight, bias, out, t, d, weight.shape[0], **_router_tiles(t, d),
+                                       ROUTE=False, done_ptr=out, ids_ptr=out, gates_ptr=out, starts_ptr=out,
+                                       fill_ptr=out, order_ptr=out, E_P2=1, TOP_K=1, K_P2=1, BINS=1, ROUTE_BLOCK_T=1)
     return out
 
 
@@ -346,7 +420,7 @@ def moe_mlp_cuda(x: torch.Tensor, moe: MoE, summed: bool = True) -> torch.Tensor
     t, d = x.shape
     top_k = moe.top_k
     n_experts, inner = moe.fc1.shape[0], moe.fc1.shape[1] // 2
-    gates, order, starts = route_and_group(router_logits(x, moe.router.weight, moe.router.bias), top_k, x.dtype)
+    gates, order, starts = route_experts(x, moe.router, top_k)
     pairs = t * top_k
     if summed and _grouped_gemm_pays(x, pairs):
         return _moe_mlp_grouped(x, gates, order, starts, moe)
