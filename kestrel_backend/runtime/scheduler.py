@@ -362,14 +362,13 @@ class Scheduler:
         reserve = self.cache.pages_for(self.waiting[0].capacity)
         needed = {seq.prefix_key for seq in window}  # (prefixes of other images may make room)
         for key, (seq, emb) in ready.items():
-            inputs = self.model.image_prefix(emb)
-            rows = inputs.shape[0]
+            rows = emb.shape[0] + 1  # (BOS and the image: image_prefix's rows, built once they fit)
             if rows > room:
                 break
             self.prefixes.reclaim(self.cache.pages_for(rows) + reserve, keep=needed)
             if self.cache.pages_free < self.cache.pages_for(rows) + reserve:
                 break
-            ahead.append(PrefixAhead(key, next(self._placeholder_ids), inputs, seq))
+            ahead.append(PrefixAhead(key, next(self._placeholder_ids), self.model.image_prefix(emb), seq))
             self.cache.allocate(ahead[-1].id, rows)
             room -= rows
         self._spent = self.max_step_tokens - room if self.max_step_tokens else 0
