@@ -289,9 +289,9 @@ def _counter(device: torch.device, stream: int) -> torch.Tensor:
 
 
 def _router_tiles(t: int, d: int) -> dict:
-    """For a few tokens each program reads its expert's whole row in one pass (H100, Moondream 3's decode step of
-    one token, with the positions worked out once a step: 1.509 against 1.537 ms with 512-wide chunks); tiles of
-    at most 8192 values."""
+    """For a few tokens each program reads its expert's whole row in one pass (512-wide chunks before; H100, with the
+    routing in the same launch and tau's positions once a step: Moondream 3's one-token step 1.469 against 1.542 ms,
+    h100_2026-11-26_ab_router_routes.json); tiles of at most 8192 values."""
     block_t = max(2, triton.next_power_of_2(t))
     return dict(BLOCK_T=block_t, BLOCK_K=min(triton.next_power_of_2(d), max(256, 8192 // block_t)), num_warps=4)
 
