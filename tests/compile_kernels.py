@@ -30,7 +30,6 @@ from kestrel_backend.model.weights import Linear, MoE
 from kestrel_backend.model.layer_norm_cuda import shifted_layer_norm
 from kestrel_backend.model.rope_cuda import rope_qk_inplace
 from kestrel_backend.model.tau_cuda import tau_inplace
-from kestrel_backend.model.vision_attention_cuda import vision_attention
 from kestrel_backend.runtime import decode_kernels as dk
 from kestrel_backend.runtime import lora_kernels as lk
 from kestrel_backend.runtime import moe_kernels as mk
@@ -146,7 +145,6 @@ def launch_everything(capability: int) -> None:
                         torch.zeros(1024, moe.n_experts_per_tok, **f), f["dtype"])
         vision = torch.zeros(729, VisionConfig().enc_dim, **f)
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
-        vision_attention(torch.zeros(2 * 729, 3 * VisionConfig().enc_dim, **f), 2, VisionConfig().enc_n_heads)
 
 
 def compile_for(capability: int) -> tuple[list[str], int]:

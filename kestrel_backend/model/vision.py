@@ -78,16 +78,14 @@ def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig,
 def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig,
                         out: torch.Tensor | None = None, early: dict | None = None) -> torch.Tensor:
     """The same blocks with the residual adds done by the output GEMMs (in place, beta = 1). Their biases
-    are left out of the stream and added back by the next norm: w.bias_sums[i] sums all biases before it.
-    The attention is a kernel of our own on the qkv GEMM's rows (vision_attention_cuda)."""
+    are left out of the stream and added back by the next norm: w.bias_sums[i] sums all biases before it."""
     from .layer_norm_cuda import shifted_layer_norm
-    from .vision_attention_cuda import vision_attention
 
     b, n, d = x.shape
     x = x.view(b * n, d)
     for i, block in enumerate(w.blocks):
         h = shifted_layer_norm(x, w.bias_sums[2 * i], block.ln1.weight, block.ln1.bias)
-        x.addmm_(vision_attention(linear(h, block.qkv), b, config.enc_n_heads), block.proj.weight.t())
+        x.addmm_(_attend_heads(h.view(b, n, d), block.qkv, config.enc_n_heads).view(b * n, d), block.proj.weight.t())
         h = shifted_layer_norm(x, w.bias_sums[2 * i + 1], block.ln2.weight, block.ln2.bias)
         x.addmm_(mlp_hidden(h, block.mlp), block.mlp.fc2.weight.t())
         if early is not None and i in early:  # (a copy, with the biases the stream leaves out)
