@@ -84,7 +84,8 @@ def served(max_batch: int, ports: tuple[int, int, int], checkpoint: Path | None 
            ready_timeout: float = 600, stop_timeout: float = 90, stopped: dict | None = None):
     """tritonserver serving `checkpoint` (default: full-size random bf16 weights written to a temporary folder)
     -> (the server process, seconds until the model was ready). On leaving, it is told to stop and killed if it
-    has not within stop_timeout; `stopped` gets its exit code, how long stopping took and whether it was killed."""
+    has not within stop_timeout; `stopped` gets its exit code, how long stopping took, whether it was killed and
+    how many fatal errors the Python backend's stub logged (a crash at unload, which the server itself survives)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         if checkpoint is None:
@@ -105,7 +106,8 @@ def served(max_batch: int, ports: tuple[int, int, int], checkpoint: Path | None 
                     server.wait()
                     killed = True
                 if stopped is not None:
-                    stopped.update(code=server.returncode, seconds=round(time.time() - t0, 1), killed=killed)
+                    stopped.update(code=server.returncode, seconds=round(time.time() - t0, 1), killed=killed,
+                                   stub_fatal_errors=Path(log.name).read_text().count("Fatal Python error"))
 
 
 SERVER_SUMS = {"kestrel_time_to_first_token_seconds_sum": "engine_ttft_s", "kestrel_time_to_first_token_seconds_count":
@@ -273,8 +275,10 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps({"ready_s": ready_s, "max_tokens": args.max_tokens, "fresh_images":
                                         args.fresh_images, "client_processes": args.client_processes,
-                                        "requests_per_stream": per_stream, "levels": rows},
+                                        "requests_per_stream": per_stream, "levels": rows, "stopped": stopped},
                                        indent=1))
+    if stopped["stub_fatal_errors"]:
+        raise SystemExit(f"the Python backend's stub crashed ({stopped})")
     return 0
 
 

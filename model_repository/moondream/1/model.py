@@ -1,5 +1,6 @@
 """Triton Python-backend entry point: thin; the engine and the wire protocol live in kestrel_backend."""
 
+import gc
 import json
 
 import triton_python_backend_utils as pb_utils
@@ -21,3 +22,6 @@ class TritonPythonModel:
 
     def finalize(self):
         self.adapter.shutdown()
+        # the engine's weights and CUDA graphs go now, while the CUDA context lives, not at the stub's exit
+        self.adapter = None
+        gc.collect()
