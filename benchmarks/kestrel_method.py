@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import itertools
 import json
 import statistics
@@ -315,7 +316,9 @@ def main() -> int:
                                                                batch, ceilings, fp8_experts)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        if args.triton:
+        if args.triton:  # the server's engine needs the GPU memory that ours cached (without this it failed to start)
+            gc.collect()
+            torch.cuda.empty_cache()
             rows += run_triton(batch, args.modes, fresh_burst, warmup, args.client_processes, args.checkpoint,
                                args.grpc_port)
             print(json.dumps(rows[-len(args.modes):]), flush=True)

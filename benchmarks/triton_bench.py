@@ -95,7 +95,11 @@ def served(max_batch: int, ports: tuple[int, int, int], checkpoint: Path | None 
         with open(log_path or folder / "tritonserver.log", "w") as log:
             server = start_server(checkpoint, folder / "runtime", max_batch, ports, log)
             try:
-                yield server, wait_ready(f"localhost:{ports[1]}", server, ready_timeout)
+                try:
+                    ready_s = wait_ready(f"localhost:{ports[1]}", server, ready_timeout)
+                except SystemExit as e:
+                    raise SystemExit(f"{e}; the end of its log:\n{Path(log.name).read_text()[-6000:]}") from None
+                yield server, ready_s
             finally:
                 t0, killed = time.time(), False
                 server.terminate()
