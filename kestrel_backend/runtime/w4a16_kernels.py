@@ -81,14 +81,10 @@ def _w4_matmul(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p_ptr, s_ptr, z_p
 
 
 @triton.jit
-def _nibble_as_float(words, i: tl.constexpr):
-    """Nibble i (bits 4i to 4i + 3) of each int32 word as the float 1 + q / 16, exact: q moved into the top four
-    bits of a float32 mantissa whose exponent is 1's (a shift and a mask; no integer-to-float conversion)."""
-    if 4 * i <= 19:
-        bits = words << (19 - 4 * i)
-    else:
-        bits = words >> (4 * i - 19)
-    return ((bits & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+def _nibble_subnormal(words, p: tl.constexpr):
+    """Nibble p (bits 4p to 4p + 3, p <= 4) of each int32 word left where it is and read as a float32: the
+    subnormal q 16^p 2^-149, exact (one AND: no shift, no integer-to-float conversion)."""
+    return (words & (0xF << (4 * p))).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -106,16 +102,21 @@ def _split8(x, WORDS: tl.constexpr):
 
 @triton.jit
 def _word_sums(words, x, a, b, WORDS: tl.constexpr):
-    """[BN, WORDS]: a sum_i x (1 + q / 16) - b sum_i x over each word's eight values (x: the chunk, float32)."""
+    """[BN, WORDS]: a sum_i x q 2^-49 - b sum_i x over each word's eight values (x: the chunk, float32).
+
+    x scaled by 2^100 / 16^p times the subnormal q 16^p 2^-149 is x q 2^-49, a normal float32 made exactly by one
+    FMA (the GPU's FMA takes subnormals at full speed; Triton does not flush them): one AND and one FMA a value.
+    Nibbles 5 to 7 would reach the exponent's bits, so they are moved down 12 bits first, one shift for the three."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, WORDS)
-    xq = x0[None, :] * _nibble_as_float(words, 0)
-    xq += x1[None, :] * _nibble_as_float(words, 1)
-    xq += x2[None, :] * _nibble_as_float(words, 2)
-    xq += x3[None, :] * _nibble_as_float(words, 3)
-    xq += x4[None, :] * _nibble_as_float(words, 4)
-    xq += x5[None, :] * _nibble_as_float(words, 5)
-    xq += x6[None, :] * _nibble_as_float(words, 6)
-    xq += x7[None, :] * _nibble_as_float(words, 7)
+    high = words >> 12
+    xq = (x0 * 1.2676506002282294e30)[None, :] * _nibble_subnormal(words, 0)  # 2^100
+    xq += (x1 * 7.922816251426434e28)[None, :] * _nibble_subnormal(words, 1)  # 2^96
+    xq += (x2 * 4.951760157141521e27)[None, :] * _nibble_subnormal(words, 2)  # 2^92
+    xq += (x3 * 3.094850098213451e26)[None, :] * _nibble_subnormal(words, 3)  # 2^88
+    xq += (x4 * 1.9342813113834067e25)[None, :] * _nibble_subnormal(words, 4)  # 2^84
+    xq += (x5 * 4.951760157141521e27)[None, :] * _nibble_subnormal(high, 2)
+    xq += (x6 * 3.094850098213451e26)[None, :] * _nibble_subnormal(high, 3)
+    xq += (x7 * 1.9342813113834067e25)[None, :] * _nibble_subnormal(high, 4)
     return a * xq - b * (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))[None, :]
 
 
@@ -141,9 +142,9 @@ def _w4_gemv(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p_ptr, s_ptr, z_ptr
     """acc + x[offs_m] @ W[offs_n].T for one or two rows of half-precision x, reading W's 4-bit values as int32
     words (p_ptr: the bytes viewed as int32 [N, K / 8]; word j's nibble i is k = 8j + i).
 
-    Factored by group instead of dequantizing each value: sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)
-    = 16 s sum_k x_k (1 + q_k / 16) - s (16 + z) sum_k x_k, with 1 + q / 16 made from the bits (_nibble_as_float):
-    three instructions a value, against the bf16 roundings' ten (the reference's weight is bf16(bf16(q - z) s);
+    Factored by group instead of dequantizing each value: sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k),
+    the products x q made from the bits (_word_sums): two instructions a value, against the bf16 roundings' ten
+    (the reference's weight is bf16(bf16(q - z) s);
     here it is (q - z) s unrounded, within bf16's rounding of it: the float32 path keeps the exact roundings).
     Sums are kept a word at a time and added up at the end; whole groups a chunk (BLOCK_K % GROUP == 0); each
     chunk's words are loaded before the chunk ahead of them is used: two in flight."""
@@ -164,8 +165,8 @@ def _w4_gemv(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p_ptr, s_ptr, z_ptr
             words_next = words
         s = tl.load(s_ptr + groups + k0 // GROUP).to(tl.float32)
         z = tl.load(z_ptr + groups + k0 // GROUP).to(tl.float32)
-        a = tl.reshape(tl.broadcast_to((16.0 * s)[:, :, None], [BN, G, GROUP // 8]), [BN, WORDS])
-        b = tl.reshape(tl.broadcast_to((s * (16.0 + z))[:, :, None], [BN, G, GROUP // 8]), [BN, WORDS])
+        a = tl.reshape(tl.broadcast_to((s * 562949953421312.0)[:, :, None], [BN, G, GROUP // 8]), [BN, WORDS])  # 2^49
+        b = tl.reshape(tl.broadcast_to((s * z)[:, :, None], [BN, G, GROUP // 8]), [BN, WORDS])
         x = _row_chunk(x_ptr, x_stride, offs_m, m_mask, 0, k0, BLOCK_K, mean, rstd, g_ptr, b_ptr, dtype)
         sums0 += _word_sums(words, x, a, b, WORDS)
         if offs_m.shape[0] > 1:
@@ -268,8 +269,8 @@ def w4_tiles(m: int, n: int, k: int, dtype: torch.dtype, wide: bool) -> tuple[in
     depth k, from the H100 sweep (benchmarks/tune_w4a16.py); wide: norm_linear's many columns (qkv and fc1)."""
     if m <= GEMV_MAX_ROWS and GROUP_SUMS and dtype != torch.float32:  # (_w4_gemv)
         if wide and n % 32 == 0:
-            return m, 32, min(k, 256), 4 if m == 1 else 2, 1, False
-        return m, next(b for b in (8, 4, 2, 1) if n % b == 0), min(k, 1024 if m == 1 else 2048), 4, 1, False
+            return m, 32, min(k, 512 if m == 1 else 256), 2, 1, False
+        return m, next(b for b in (8, 4, 2, 1) if n % b == 0), min(k, 2048), 2 if m == 1 else 4, 1, False
     if m <= GEMV_MAX_ROWS:
         block_n = next((b for b in ((8, 4, 2) if wide else (4, 2)) if n % b == 0), 1)
         return m, block_n, min(k, 2048), 4, 1, False
