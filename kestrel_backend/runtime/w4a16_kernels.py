@@ -106,7 +106,8 @@ def _word_sums(words, x, a, b, WORDS: tl.constexpr):
 
     x scaled by 2^100 / 16^p times the subnormal q 16^p 2^-149 is x q 2^-49, a normal float32 made exactly by one
     FMA (the GPU's FMA takes subnormals at full speed; Triton does not flush them): one AND and one FMA a value.
-    Nibbles 5 to 7 would reach the exponent's bits, so they are moved down 12 bits first, one shift for the three."""
+    Nibbles 5 to 7 would reach the exponent's bits, so they are moved down 12 bits first, one shift for the three.
+    (x times 2^100 stays finite for |x| below 2^28, far past any activation's size.)"""
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, WORDS)
     high = words >> 12
     xq = (x0 * 1.2676506002282294e30)[None, :] * _nibble_subnormal(words, 0)  # 2^100
