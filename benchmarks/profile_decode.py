@@ -1,6 +1,6 @@
 """Where one CUDA-graph decode step's time goes (full-size random weights, GPU only).
 
-    python benchmarks/profile_decode.py [--batch 1] [--context 800] [--model moondream2|moondream3]
+    python benchmarks/profile_decode.py [--batch 1] [--context 800] [--model moondream2|moondream3] [--four-bit]
 
 Prints the step's time, what a boundary between CUDA graphs costs (the step's graph replayed back to
 back, alone and with 2 or 8 steps in one graph), the kernels inside the replayed graph with their GPU
@@ -46,9 +46,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=800)
     p.add_argument("--model", default="moondream2", choices=["moondream2", "moondream3"])
+    p.add_argument("--four-bit", action="store_true", help="Moondream 2's text blocks as packed 4-bit weights")
     args = p.parse_args()
     config = MoondreamConfig.official(args.model)
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
+    if args.four_bit:
+        from benchmarks.w4a16_bench import four_bit
+
+        model = four_bit(model)
     cache = PagedKVCache(config.text, args.batch * (args.context // 16 + 2), 16, "cuda", torch.bfloat16)
     for i in range(args.batch):
         cache.allocate(i, args.context + 9)
