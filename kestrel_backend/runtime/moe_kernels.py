@@ -258,12 +258,16 @@ def _route_constants(t: int, n_experts: int, top_k: int) -> dict:
 ROUTER_KERNEL_TOKENS = 16  # up to here the router's logits come from _router_kernel (and it routes them), else cuBLAS
 
 
+def _router_kernel_takes(x: torch.Tensor) -> bool:
+    return x.shape[0] <= ROUTER_KERNEL_TOKENS and x.stride(1) == 1
+
+
 def route_experts(x: torch.Tensor, router, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route_and_group(router_logits(x, ...), top_k, x.dtype)'s result; up to ROUTER_KERNEL_TOKENS tokens in one
     launch (the router kernel's last program routes)."""
     t, d = x.shape
     n_experts = router.weight.shape[0]
-    if t > ROUTER_KERNEL_TOKENS or x.stride(1) != 1 or t * top_k > ONE_PROGRAM_PAIRS:
+    if not _router_kernel_takes(x) or t * top_k > ONE_PROGRAM_PAIRS:
         return route_and_group(router_logits(x, router.weight, router.bias), top_k, x.dtype)
     logits = torch.empty(t, n_experts, device=x.device, dtype=x.dtype)
     r = _Routing.empty(t, n_experts, top_k, x.dtype, x.device)
@@ -348,7 +352,7 @@ GROUPED_GEMM_PAIRS = 4096
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight, bias): for a few tokens one program an expert, else cuBLAS."""
     t, d = x.shape
-    if t > ROUTER_KERNEL_TOKENS or x.stride(1) != 1:
+    if not _router_kernel_takes(x):
         return F.linear(x, weight, bias)
     out = torch.empty(t, weight.shape[0], device=x.device, dtype=x.dtype)
     _router_kernel[(weight.shape[0],)](x, x.stride(0), weight, bias, out, t, d, weight.shape[0], **_router_tiles(t, d),
