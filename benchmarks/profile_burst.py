@@ -2,6 +2,7 @@
 while the GPU was idle.
 
     python benchmarks/profile_burst.py [--model moondream2] [--batch 64] [--mode direct] [--images 256] [--out p.json]
+        [--checkpoint DIR [--fp8-experts widen|fp8|both]]  # a checkpoint's weights (Kestrel's: kestrel_checkpoint.py)
     python benchmarks/profile_burst.py --images 4 --batch 4   (without a GPU: a smoke run on tests/fixtures/md2-tiny)
 
 After a warm-up burst, one burst of kestrel_method.py's workload (fresh charts, two questions an image, every
@@ -30,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kestrel_method import OUTPUT_TOKENS, crop_count, workload  # noqa: E402
-from kestrel_backend.config import RuntimeConfig  # noqa: E402
+from kestrel_backend.config import FP8_EXPERT_MODES, RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
@@ -159,10 +160,15 @@ def main() -> int:
     p.add_argument("--max-step-tokens", type=int, default=RuntimeConfig.max_step_tokens)
     p.add_argument("--timeline-ms", type=float, default=0.0,
                    help="also keep the burst's first milliseconds: every GPU operation and engine-thread mark")
+    p.add_argument("--checkpoint", type=Path, help="a checkpoint folder (default: full-size random bf16 weights)")
+    p.add_argument("--fp8-experts", default="widen", choices=FP8_EXPERT_MODES)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     tiny = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny"
-    if torch.cuda.is_available():
+    if args.checkpoint:  # (e.g. Kestrel's layout with FP8 experts: kestrel_checkpoint.py)
+        model = Moondream.from_checkpoint(args.checkpoint, dtype=torch.bfloat16, device="cuda",
+                                          fp8_experts=args.fp8_experts)
+    elif torch.cuda.is_available():
         config = MoondreamConfig.official(args.model)
         model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"), load_tokenizer(tiny))
     else:  # (a smoke run of this script)
@@ -209,6 +215,7 @@ def main() -> int:
         in_marks[name] += (e - s) / 1000
     report = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": args.model,
+        "checkpoint": str(args.checkpoint or ""), "fp8_experts": args.fp8_experts,
         "batch": args.batch, "mode": args.mode, "questions": len(pairs),
         "crops": sum(crop_count(image, model.config) for image in {image for image, _ in pairs}),
         "max_step_tokens": args.max_step_tokens, "wall_s": wall,
