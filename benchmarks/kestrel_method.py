@@ -17,7 +17,8 @@ decode steps' bytes (weights once a step at full batches, and each step's KV rea
 (Moondream 3's experts at one byte a value where the checkpoint holds them in FP8, as Kestrel's do).
 
 Each row also says what its burst's time went to (`burst`: engine steps, the engine thread's seconds by step phase,
-device and pinned memory the allocators had to get, Triton kernels compiled) and how long the engine took to start.
+device and pinned memory the allocators had to get, Triton kernels compiled, how many steps wrote 1, 2, ... image
+prefixes) and how long the engine took to start.
 
     python benchmarks/kestrel_method.py [--model moondream2|moondream3] [--batch-sizes 1 4 16 64] [--images 256]
         [--triton] [--out out.json]
