@@ -34,6 +34,7 @@ from kestrel_backend.runtime import decode_kernels as dk
 from kestrel_backend.runtime import lora_kernels as lk
 from kestrel_backend.runtime import moe_kernels as mk
 from kestrel_backend.runtime import w4a16_kernels as w4
+from kestrel_backend.runtime.grouped_attention import GROUP, grouped_attention
 from kestrel_backend.runtime.prefill_attention import prefill_attention
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
@@ -122,6 +123,13 @@ def launch_everything(capability: int) -> None:
         q = torch.zeros(64, 3 * h, d, **f)
         prefill_attention(q[:, :h], q[:, h:2 * h], q[:, 2 * h:], cache, cache, torch.zeros(64, dtype=torch.int64),
                           torch.tensor([0, 64, 10, 0, 16, 0], dtype=torch.int32), torch.zeros(16, dtype=torch.int64))
+        i32 = dict(dtype=torch.int32)
+        for rotate in (True, False):  # the decode step's unrotated qkv; a flat step's rotated rows, gathered
+            cos = torch.zeros(64, cfg.rope_dim // 2) if rotate else None
+            grouped_attention(q[:, :h], q[:, h:2 * h], q[:, 2 * h:], cache, cache, torch.zeros(64, 4, **i32),
+                              torch.ones(64, **i32), torch.zeros(64, **i32), torch.zeros(64, GROUP, **i32),
+                              torch.zeros(64, **i32), page, cos, cos,
+                              None if rotate else torch.zeros(64, **i32))
         moe = MoeConfig()  # Moondream 3's experts: few tokens (decode) and many (prefill) take other tiles
         tau_inplace(torch.zeros(4, 3 * cfg.dim, **f), torch.zeros(4, 2 * h, **f), torch.zeros(h, **f),
                     torch.zeros(4, dtype=torch.int64), h, d)

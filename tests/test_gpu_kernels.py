@@ -5,6 +5,7 @@ kernels are checked on the GPU by benchmarks/gpu_bench.py."""
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -478,7 +479,8 @@ def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc
 @pytest.mark.parametrize("n_seqs, splits, adapters, fixture", [
     (1, None, False, "md2-tiny"), (1, 1, False, "md2-tiny"), (2, None, False, "md2-tiny"), (3, None, False, "md2-tiny"),
     (1, None, True, "md2-tiny"), (3, None, True, "md2-tiny"), (1, None, False, "md3-tiny"), (3, None, False, "md3-tiny"),
-    (1, None, False, "md2-tiny-4bit"), (3, None, False, "md2-tiny-4bit")])
+    (1, None, False, "md2-tiny-4bit"), (3, None, False, "md2-tiny-4bit"), (3, "grouped", False, "md2-tiny"),
+    (3, "grouped", False, "md3-tiny")])
 def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n_seqs, splits, adapters, fixture,
                                                          full_size_tiles):
     """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch
@@ -550,9 +552,16 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
     banned[0, 1] = int(logits_ref[0].argmax())  # the GEMV form's LM head applies it, and chooses greedily
     inputs = StepTensors(tables, (positions + 1).int(), slots.int(), model.rope[positions, :, 0].contiguous(),
                          model.rope[positions, :, 1].contiguous(), banned)
+    grouped = splits == "grouped"  # the attention of groups of rows that share pages (here none do: groups of one)
+    if grouped:
+        from kestrel_backend.runtime.grouped_attention import GROUP, group_rows
+
+        groups, shared = np.zeros((n_seqs, GROUP), dtype=np.int32), np.zeros(n_seqs, dtype=np.int32)
+        group_rows(tables.numpy(), positions.numpy(), 4, groups, shared)
+        inputs.groups, inputs.shared, splits = torch.from_numpy(groups), torch.from_numpy(shared), None
     logits, greedy = torch.empty(n_seqs, 512), torch.full((n_seqs,), -7, dtype=torch.int32)
     greedy_host = torch.full((n_seqs,), -7, dtype=torch.int32)
-    hidden = fused_decode_step(model, x, cache, inputs, logits, splits, greedy, greedy_host, lora=rows)
+    hidden = fused_decode_step(model, x, cache, inputs, logits, splits, greedy, greedy_host, lora=rows, grouped=grouped)
     if n_seqs <= dk.GEMV_MAX_ROWS and not adapters:
         assert logits[0, banned[0, 1]] == float("-inf")
         logits_ref[0, banned[0, 1]] = float("-inf")
@@ -636,6 +645,12 @@ def test_step_inputs_pack_tables_lengths_slots_and_rotary_per_sequence(tiny_mode
             assert got.seq_lens[row] == pos + 1 and got.slots[row] == want[pos // 4] * 4 + pos % 4
             assert torch.equal(got.cos[row], tiny_model.rope[pos, :, 0])
             assert torch.equal(got.sin[row], tiny_model.rope[pos, :, 1])
+    cache.allocate(7, 9, shared=cache.tables[6][:2])  # a question on 6's image: its first two pages shared
+    inputs.upload([1, 2], [6, 7], [10, 8], 2, grouped=True)  # (the steps of grouped_attention)
+    inputs.copy_to_device(0)
+    got = inputs.rows(2)
+    assert got.groups[0, :2].tolist() == [0, 1] and (got.groups[0, 2:] == -1).all() and (got.groups[1] == -1).all()
+    assert got.shared[0] == 8  # its two shared pages' positions
 
 
 def test_embed_rows_takes_token_embeddings_fed_back_tokens_or_the_given_rows():
@@ -877,3 +892,69 @@ def test_tau_kernel_matches_the_torch_scales(tokens):
     got = qkv.clone()
     tau_inplace(got, tau_token_part(qkv, tau), tau.alpha, positions, heads, hd)
     assert rel_err(got, want.view(tokens, -1)) < 1e-6
+
+
+def _shared_prefix_tables(page: int, g):
+    """Page tables of rows on two image prefixes (18 rows on the first: two groups; 2 on the second) and of
+    three rows alone, the prefixes' pages shared, every other page a row's own, scattered; lengths count the new
+    token. -> (tables [B, P] int32, lens [B], slots [B], number of pages)."""
+    prefix_pages, page_pool = [3, 2], torch.randperm(400, generator=g).tolist()
+    prefixes = [[page_pool.pop() for _ in range(n)] for n in prefix_pages]
+    rows = [(0, 3 * page + 1 + i) for i in range(18)] + [(1, 2 * page + 5), (1, 2 * page + 9)]
+    rows += [(None, n) for n in (1, 7, 3 * page + 2)]
+    tables = torch.zeros(len(rows), 8, dtype=torch.int32)
+    for i, (prefix, n) in enumerate(rows):
+        own = prefixes[prefix] if prefix is not None else []
+        pages = own + [page_pool.pop() for _ in range(-(-n // page) - len(own))]
+        tables[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    last = lens.long() - 1
+    slots = tables[torch.arange(len(rows)), last // page].long() * page + last % page
+    return tables, lens, slots, 400
+
+
+@pytest.mark.parametrize("rotate", [True, False])  # the decode step's unrotated qkv; a flat step's rotated q/k rows
+def test_grouped_attention_matches_attention_over_each_rows_pages(rotate):
+    from kestrel_backend.runtime.grouped_attention import GROUP, group_rows, grouped_attention
+
+    cfg = TextConfig(dim=256, ff_dim=512, n_layers=1, n_heads=4, n_kv_heads=2)  # grouped-query, head_dim 64
+    g = torch.Generator().manual_seed(1)
+    page, hkv, d = 4, cfg.n_kv_heads, cfg.head_dim
+    tables, lens, slots, n_pages = _shared_prefix_tables(page, g)
+    b = len(lens)
+    k_cache, v_cache = (torch.randn(n_pages * page, hkv, d, generator=g) for _ in range(2))
+    groups, shared = np.zeros((b, GROUP), dtype=np.int32), np.zeros(b, dtype=np.int32)
+    n_groups = group_rows(tables.numpy(), lens.numpy() - 1, page, groups, shared)
+    # 16 + 2 rows on the first prefix, 2 on the second, three alone (all their cached positions their own)
+    assert n_groups == 6 and sorted(shared[:n_groups].tolist()) == [0, 6, 2 * page, 3 * page, 3 * page, 3 * page + 1]
+    assert (groups[n_groups:] == -1).all() and sorted(groups[groups >= 0].tolist()) == list(range(b))
+    width = (cfg.n_heads + 2 * hkv) * d
+    qkv = torch.randn(b, 2 * width, generator=g)[:, :width]  # strided rows, like the engine's
+    table = rope_table(cfg)
+    cos, sin = table[lens.long() - 1, :, 0].contiguous(), table[lens.long() - 1, :, 1].contiguous()
+    q, k, v = split_qkv_with_rope(qkv.clone(), cos, sin, cfg)
+    before = k_cache.clone(), v_cache.clone()
+    if rotate:
+        heads = qkv.view(b, -1, d)
+        got = grouped_attention(heads[:, :cfg.n_heads], heads[:, cfg.n_heads:cfg.n_heads + hkv],
+                                heads[:, cfg.n_heads + hkv:], k_cache, v_cache, tables, lens, slots,
+                                torch.from_numpy(groups), torch.from_numpy(shared), page, cos, sin)
+    else:  # the rows at other places of the step: rows[j] is row j's
+        place = torch.randperm(b + 3, generator=g)[:b]
+        flat = torch.zeros(b + 3, width)
+        flat[place] = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+        heads = flat.view(b + 3, -1, d)
+        got = grouped_attention(heads[:, :cfg.n_heads], heads[:, cfg.n_heads:cfg.n_heads + hkv],
+                                heads[:, cfg.n_heads + hkv:], k_cache, v_cache, tables, lens, slots,
+                                torch.from_numpy(groups), torch.from_numpy(shared), page,
+                                rows=place.to(torch.int32))[place]
+    assert torch.allclose(k_cache[slots], k, atol=1e-6) and torch.equal(v_cache[slots], v)
+    untouched = torch.ones(len(k_cache), dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(k_cache[untouched], before[0][untouched])
+    assert torch.equal(v_cache[untouched], before[1][untouched])
+    for i, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        rows = tables[i, pos // page].long() * page + pos % page
+        ref = attend(q[i:i + 1], k_cache[rows], v_cache[rows])
+        assert rel_err(got[i].view(cfg.n_heads, d), ref[0]) < 1e-5

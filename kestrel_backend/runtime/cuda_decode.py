@@ -22,6 +22,7 @@ from ..model.text import apply_tau
 from .cuda_graphs import CapturedGraphs
 from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, gpu_paths, greedy_tokens, linear2_residual,
                              norm_linear, norm_linear_attention, one_kernel_counters, rotary_paged_attention)
+from .grouped_attention import GROUP, group_rows, grouped_attention
 from .kv_cache import PagedKVCache
 from .lora_kernels import lora_expand_in, lora_expand_out, lora_shrink, segments
 from .moe_kernels import moe_mlp_cuda
@@ -39,7 +40,7 @@ ONE_KERNEL_SPLITS = 8  # its context splits for long contexts (H100, interleaved
 def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, inputs: "StepTensors",
                       logits_out: torch.Tensor, context_splits: int | None = None,
                       greedy_out: torch.Tensor | None = None, greedy_host: torch.Tensor | None = None,
-                      hidden_out: torch.Tensor | None = None, lora=None) -> torch.Tensor:
+                      hidden_out: torch.Tensor | None = None, lora=None, grouped: bool = False) -> torch.Tensor:
     """One decode step (one new token per sequence) with the fused kernels, then the final norm and LM
     head. Writes float32 logits into logits_out; returns the hidden states (written into hidden_out if
     given). With greedy_out, in the GEMV form the LM head also bans each row's inputs.banned tokens and
@@ -48,7 +49,8 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     Up to GEMV_MAX_ROWS sequences every weight is streamed by our kernels (for one sequence the
     attention runs inside the norm + qkv/fc1 kernel); past that, the norm + qkv/fc1 and the LM head go
     to cuBLAS's tensor-core GEMMs. context_splits: programs per sequence and head in the attention
-    (default: decode_kernels.context_splits; ONE_KERNEL_SPLITS for the one-kernel form).
+    (default: decode_kernels.context_splits; ONE_KERNEL_SPLITS for the one-kernel form). grouped: the attention
+    reads the pages that rows share once for all of them (grouped_attention; inputs.groups), not once a row.
 
     lora: (LoraPool, the step's rows in segments of one adapter: StepInputs.segments): each row adds its
     adapter's deltas (lora_kernels); qkv and fc1 then come from cuBLAS, whatever the row count. On a GPU two of the
@@ -75,7 +77,7 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
         if block.tau is not None:  # Moondream 3's layers
             h = layer_norm(x, block.ln) if h is None else h
             x, h = _moondream3_layer(x, h, block, None if last else w.blocks[i + 1].ln, cfg, cache, i, inputs,
-                                     positions, context_splits, hidden_out if last else None)
+                                     positions, context_splits, hidden_out if last else None, grouped)
             continue
         if one_kernel:
             out, g = norm_linear_attention(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
@@ -100,8 +102,7 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
             else:
                 h = layer_norm(x, block.ln)
                 qkv, g = linear(h, block.qkv), mlp_hidden(h, block.mlp)
-            out = rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[i], cache.v[i], inputs.block_tables,
-                                         inputs.seq_lens, inputs.slots, cfg.n_heads, page, splits=context_splits)
+            out = _decode_attention(qkv, cfg, cache, i, inputs, context_splits, grouped)
             if lora is not None:
                 _join(side)
         x = (w4_linear2_residual if packed else linear2_residual)(out, block.proj.weight, g, block.mlp.fc2.weight, x,
@@ -139,7 +140,7 @@ def _join(side: torch.cuda.Stream | None) -> None:
 
 def _moondream3_layer(x: torch.Tensor, h: torch.Tensor, block, next_ln, cfg, cache: PagedKVCache, i: int,
                       inputs: "StepTensors", positions: torch.Tensor, context_splits: int | None,
-                      out: torch.Tensor | None):
+                      out: torch.Tensor | None, grouped: bool):
     """One Moondream 3 layer of a decode step on its normed input h: cuBLAS for qkv and proj, tau from each row's
     position (positions: its length less one), the paged attention kernel, the dense MLP or the grouped expert
     kernels, then the residual and the next layer's norm (next_ln; None for the last layer) in one kernel.
@@ -149,11 +150,26 @@ def _moondream3_layer(x: torch.Tensor, h: torch.Tensor, block, next_ln, cfg, cac
     side = _side_stream(x.device) if x.is_cuda else None
     mlp_out, top_k = _fork(side, _moondream3_mlp, h, block)
     qkv = apply_tau(linear(h, block.qkv), positions, block.tau, cfg)
-    attn = rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[i], cache.v[i], inputs.block_tables,
-                                  inputs.seq_lens, inputs.slots, cfg.n_heads, cache.page_size, splits=context_splits)
+    attn = _decode_attention(qkv, cfg, cache, i, inputs, context_splits, grouped)
     proj = torch.addmm(block.proj.bias, attn, block.proj.weight.t())
     _join(side)
     return residual_norm(proj, mlp_out, top_k, x, next_ln, out)
+
+
+def _decode_attention(qkv: torch.Tensor, cfg, cache: PagedKVCache, layer: int, inputs: "StepTensors",
+                      context_splits: int | None, grouped: bool) -> torch.Tensor:
+    """The step's attention of its unrotated qkv rows [B, (H + 2 Hkv) * D] -> [B, H * D]: a program per row and
+    head (split over the context as context_splits says), or, grouped, a program per group of rows that share
+    pages and head."""
+    if not grouped:
+        return rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[layer], cache.v[layer],
+                                      inputs.block_tables, inputs.seq_lens, inputs.slots, cfg.n_heads,
+                                      cache.page_size, splits=context_splits)
+    q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim], 1)
+    heads = (t.view(len(qkv), -1, cfg.head_dim) for t in (q, k, v))
+    return grouped_attention(*heads, cache.k[layer], cache.v[layer], inputs.block_tables, inputs.seq_lens,
+                             inputs.slots, inputs.groups, inputs.shared, cache.page_size, inputs.cos,
+                             inputs.sin)
 
 
 def _moondream3_mlp(h: torch.Tensor, block) -> tuple[torch.Tensor, int]:
@@ -182,7 +198,7 @@ def _step_counters(layers: int, heads: int, rows: int, one_kernel: bool, greedy:
 class StepTensors:
     """What a decode step reads besides the activations, per sequence: its page table, its length
     counting the new token, the cache row of the new token, the rotary cos/sin of its position, and the
-    tokens its greedy choice may not take."""
+    tokens its greedy choice may not take; for the grouped attention, the rows grouped by shared pages."""
 
     block_tables: torch.Tensor  # [B, max_pages] int32
     seq_lens: torch.Tensor  # [B] int32
@@ -190,6 +206,8 @@ class StepTensors:
     cos: torch.Tensor  # [B, rope_dim / 2] float32
     sin: torch.Tensor
     banned: torch.Tensor  # [B, MAX_BANNED] int32 token ids the greedy choice skips, -1 for none
+    groups: torch.Tensor | None = None  # [B, GROUP] int32, and
+    shared: torch.Tensor | None = None  # [B] int32: the rows grouped by the pages they share (group_rows)
 
 
 MAX_BANNED = 2  # per sequence and step (a generation bans at most two tokens)
@@ -206,46 +224,49 @@ class StepInputs:
         self.cache, self.n, self.max_pages = cache, n, max_pages
         self.rope = rope.cpu().numpy()  # [max_context, rope_dim / 2, 2] float32
         half = self.rope.shape[1]
-        # tables, lengths, slots, cos, sin, banned tokens, input tokens, and the rows in segments of one adapter:
-        # rows sorted by adapter, where each segment starts (then the end), its adapter's LoraPool slot
-        self._sizes = [n * max_pages, n, n, n * half, n * half, n * MAX_BANNED, n, n, n + 1, n]
+        # tables, lengths, slots, cos, sin, banned tokens, groups of rows sharing pages and their shared positions,
+        # input tokens, and the rows in segments of one adapter: rows sorted by adapter, where each segment starts
+        # (then the end), its adapter's LoraPool slot
+        self._sizes = [n * max_pages, n, n, n * half, n * half, n * MAX_BANNED, n * GROUP, n, n, n, n + 1, n]
         cuda = torch.device(device).type == "cuda"  # (the CPU form is for the tests)
         # two pinned buffers: one step's may be filled while the GPU has yet to copy the other's
         self.host = [torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self.device = torch.zeros_like(self.host[0], device=device)
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._staged, self._staged_for = np.zeros(sum(self._sizes), dtype=np.int32), None
-        tables, self._lens, self._slots, cos, sin, banned = self._fields(self._staged)[:6]
+        tables, self._lens, self._slots, cos, sin, banned, groups, self._shared = self._fields(self._staged)[:8]
         banned[:] = -1  # (no bans unless upload sets some)
-        self._tables = tables.reshape(n, max_pages)
+        self._tables, self._groups = tables.reshape(n, max_pages), groups.reshape(n, GROUP)
         self._cos, self._sin = cos.view(np.float32).reshape(n, half), sin.view(np.float32).reshape(n, half)
         self._host = [self._fields(h.numpy()) for h in self.host]  # views of each pinned buffer's fields
 
     def _fields(self, buffer: np.ndarray) -> list[np.ndarray]:
-        """Views of one packed buffer: tables, lengths, slots, cos, sin, banned tokens, input tokens, segments."""
+        """Views of one packed buffer: tables, lengths, slots, cos, sin, banned tokens, groups, shared positions,
+        input tokens, segments."""
         return np.split(buffer, np.cumsum(self._sizes)[:-1])
 
     def rows(self, b: int) -> StepTensors:
         """Device views for the first b sequences (static addresses: graph inputs)."""
-        tables, lens, slots, cos, sin, banned = self.device.split(self._sizes)[:6]
+        tables, lens, slots, cos, sin, banned, groups, shared = self.device.split(self._sizes)[:8]
         return StepTensors(tables.view(self.n, self.max_pages)[:b], lens[:b], slots[:b],
                            cos.view(torch.float32).view(self.n, -1)[:b], sin.view(torch.float32).view(self.n, -1)[:b],
-                           banned.view(self.n, MAX_BANNED)[:b])
+                           banned.view(self.n, MAX_BANNED)[:b], groups.view(self.n, GROUP)[:b], shared[:b])
 
     def tokens(self, b: int) -> torch.Tensor:
         """Device view of the first b rows' input tokens (-1 where the input is an embedding)."""
-        return self.device.split(self._sizes)[6][:b]
+        return self.device.split(self._sizes)[8][:b]
 
     def segments(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Device views of a step of b rows' segments: rows by adapter, segment starts (b + 1), their slots."""
-        rows, starts, slots = self.device.split(self._sizes)[7:]
+        rows, starts, slots = self.device.split(self._sizes)[9:]
         return rows[:b], starts[:b + 1], slots[:b]
 
-    def prepare(self, seq_ids: list[int], positions: list[int], bucket: int) -> None:
+    def prepare(self, seq_ids: list[int], positions: list[int], bucket: int, grouped: bool = False) -> None:
         """Stage the rows of a step over these sequences at these positions; padding rows up to the
-        bucket write to the scratch page. Nothing is done if they are staged already (a sequence's id is
-        never reused and its pages are allocated when it is admitted, so its staged rows stay true)."""
-        if self._staged_for == (seq_ids, positions, bucket):
+        bucket write to the scratch page; grouped: the rows' groups for grouped_attention too. Nothing is done if
+        they are staged already (a sequence's id is never reused and its pages are allocated when it is admitted,
+        so its staged rows stay true)."""
+        if self._staged_for == (seq_ids, positions, bucket, grouped):
             return
         page, tables = self.cache.page_size, self._tables[:bucket]
         tables.fill(self.cache.scratch_page)
@@ -257,21 +278,24 @@ class StepInputs:
         self._slots[:bucket] = tables[np.arange(bucket), pos // page] * page + pos % page
         self._lens[:bucket] = pos + 1
         self._cos[:bucket], self._sin[:bucket] = self.rope[pos, :, 0], self.rope[pos, :, 1]
-        self._staged_for = (list(seq_ids), list(positions), bucket)
+        if grouped:
+            group_rows(tables, pos, page, self._groups[:bucket], self._shared[:bucket])
+        self._staged_for = (list(seq_ids), list(positions), bucket, grouped)
 
     def upload(self, tokens: list[int], seq_ids: list[int], positions: list[int], bucket: int,
-               banned: list[tuple[int, ...]] = (), buffer: int = 0, adapter_slots: list[int] = ()) -> None:
+               banned: list[tuple[int, ...]] = (), buffer: int = 0, adapter_slots: list[int] = (),
+               grouped: bool = False) -> None:
         """This step's rows (staged now unless prepare() did), input tokens, banned tokens (at most
         MAX_BANNED per sequence) and the rows' segments by adapter slot into pinned buffer 0 or 1."""
-        self.prepare(seq_ids, positions, bucket)
+        self.prepare(seq_ids, positions, bucket, grouped)
         if self._copied[buffer] is not None:
             self._copied[buffer].synchronize()  # the last step from this buffer has copied it
         fields = self._host[buffer]
         np.copyto(self.host[buffer].numpy(), self._staged)  # (banned rows: -1, from the staging array)
-        fields[6][:len(tokens)] = tokens
+        fields[8][:len(tokens)] = tokens
         if adapter_slots:
-            rows, fields[8][:], fields[9][:] = segments(adapter_slots, self.n)
-            fields[7][:len(rows)] = rows
+            rows, fields[10][:], fields[11][:] = segments(adapter_slots, self.n)
+            fields[9][:len(rows)] = rows
         bans = fields[5].reshape(self.n, MAX_BANNED)
         for row, tokens_out in enumerate(banned):
             bans[row, :len(tokens_out)] = tokens_out
@@ -312,13 +336,17 @@ LONG_CONTEXT = 128  # from here splitting the attention over the context pays (H
 # context 800 7 / 7 / 2% faster, at 1500 5 / 8 / 3%, at 512 within 3%, at 256 up to 5% slower; 16 sequences
 # gained nothing at 800). Image queries have 730 positions or more.
 MANY_ROWS, MANY_ROWS_LONG_CONTEXT, MANY_ROWS_SPLITS = 32, 640, 4
+# Long-context steps of GROUPED_MIN_ROWS rows and more read the pages that rows share (questions on one image)
+# once for all of them instead (grouped_attention; benchmarks compare without). At 16 rows it has too few programs
+# (H100: 117 against 89 us a layer with no rows sharing, 82 against 87 with pairs; bursts at batch 16 alike)
+GROUPED_ATTENTION, GROUPED_MIN_ROWS = True, 32
 
 
 class CudaGraphDecoder:
     """Decode steps for up to max_batch sequences, captured once per batch-size bucket and replayed.
     Buckets of the GEMV form and of MANY_ROWS sequences or more get two graphs: for short contexts the
     attention is one program per sequence and head (GEMV form) or as context_splits has it; for long ones it
-    is split over the context. They also come in two parities that
+    is split over the context, or grouped (from GROUPED_MIN_ROWS). They also come in two parities that
     alternate from step to step (inputs from pinned buffer p, greedy tokens into greedy[p] and pinned
     host buffer p): a step can then be launched while the one before is still running, taking that
     step's tokens as its inputs on the GPU (FED_BACK) before the host has read them. Steps where some row has
@@ -351,7 +379,8 @@ class CudaGraphDecoder:
             splits = MANY_ROWS_SPLITS if long_context else None
         fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,
                           self.greedy[parity, :b], self._greedy_host[parity].pinned[:b], self.hidden[:b],
-                          (self.adapters.pool, self.inputs.segments(b)) if lora else None)
+                          (self.adapters.pool, self.inputs.segments(b)) if lora else None,
+                          grouped=self._grouped(b, long_context))
 
     def _graph(self, b: int, long_context: bool, parity: int, lora: bool = False) -> torch.cuda.CUDAGraph:
         # (the warm-up steps write to the scratch page)
@@ -360,11 +389,20 @@ class CudaGraphDecoder:
 
     @staticmethod
     def _variants(bucket: int) -> list[bool]:
-        return [False, True] if bucket <= GEMV_MAX_ROWS or bucket >= MANY_ROWS else [False]
+        long_from = GROUPED_MIN_ROWS if GROUPED_ATTENTION else MANY_ROWS
+        return [False, True] if bucket <= GEMV_MAX_ROWS or bucket >= min(long_from, MANY_ROWS) else [False]
 
     @staticmethod
     def _long_context(bucket: int) -> int:
         return LONG_CONTEXT if bucket <= GEMV_MAX_ROWS else MANY_ROWS_LONG_CONTEXT
+
+    def _is_long(self, bucket: int, positions: list[int]) -> bool:
+        return self._variants(bucket)[-1] and max(positions) >= self._long_context(bucket)
+
+    @staticmethod
+    def _grouped(bucket: int, long_context: bool) -> bool:
+        """Whether the step's attention reads shared pages once for the rows that share them."""
+        return GROUPED_ATTENTION and long_context and bucket >= GROUPED_MIN_ROWS
 
     def warmup(self) -> None:
         for buffer in (0, 1):  # every row padding: all writes go to the scratch page
@@ -399,7 +437,7 @@ class CudaGraphDecoder:
         0 for none)."""
         n = len(seq_ids)
         bucket = self._bucket(n)
-        long_context = self._variants(bucket)[-1] and max(positions) >= self._long_context(bucket)
+        long_context = self._is_long(bucket, positions)
         lora = bool(adapter_slots) and any(adapter_slots)
         parity = 1 - self._parity if bucket <= GEMV_MAX_ROWS and not lora else 0
         tokens = [t if isinstance(t, int) else -1 for t in inputs]
@@ -408,7 +446,7 @@ class CudaGraphDecoder:
                 self.given[i].copy_(given.reshape(-1))
         fits = banned is not None and all(len(b) <= MAX_BANNED for b in banned)
         self.inputs.upload(tokens, seq_ids, positions, bucket, banned if fits else (), buffer=parity,
-                           adapter_slots=adapter_slots if lora else ())
+                           adapter_slots=adapter_slots if lora else (), grouped=self._grouped(bucket, long_context))
         self._graph(bucket, long_context, parity, lora).replay()
         self.inputs.step_launched(parity)
         greedy = None
@@ -420,4 +458,5 @@ class CudaGraphDecoder:
 
     def prepare(self, seq_ids: list[int], positions: list[int]) -> None:
         """Stage a likely next step (these sequences at these positions) while the GPU runs this one."""
-        self.inputs.prepare(seq_ids, positions, self._bucket(len(seq_ids)))
+        bucket = self._bucket(len(seq_ids))
+        self.inputs.prepare(seq_ids, positions, bucket, self._grouped(bucket, self._is_long(bucket, positions)))

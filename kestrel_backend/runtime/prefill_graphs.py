@@ -33,8 +33,11 @@ class _BucketAttention:
 
     def __call__(self, layer: int, q, k, v):
         o = self.owner
-        return pa.prefill_attention(q, k, v, o.cache.k[layer], o.cache.v[layer], o.slots[:self.rows],
-                                    o.work[:pa.WORK_FIELDS * self.items], o.context)
+        kc, vc = o.cache.k[layer], o.cache.v[layer]
+        out = pa.prefill_attention(q, k, v, kc, vc, o.slots[:self.rows], o.work[:pa.WORK_FIELDS * self.items],
+                                   o.context)
+        pa.attend_one_rows(q, k, v, kc, vc, o.cache.page_size, o.one_row_views, out)  # (no groups: nothing)
+        return out
 
 
 def _work_items(rows: int, seqs: int) -> int:
@@ -60,6 +63,10 @@ class PrefillGraphs:
         self.slots = torch.zeros(rows, device=dev, dtype=torch.long)  # (the kernel reads those of real rows only)
         self.context = torch.zeros(seqs * max_context, device=dev, dtype=torch.long)  # cache rows of cached positions
         self.work = torch.zeros(pa.WORK_FIELDS * _work_items(rows, seqs), device=dev, dtype=torch.int32)
+        # a mixed step's decode rows (pa.one_new_row) as grouped_attention's groups, while their pages fit the tables
+        self.one_rows = pa.OneRowGroups(seqs, cache.pages_for(rows))
+        self.one_rows_packed = torch.full((self.one_rows.size(seqs),), -1, device=dev, dtype=torch.int32)
+        self.one_row_views = self.one_rows.views(self.one_rows_packed, seqs)
         self.last = torch.zeros(seqs, device=dev, dtype=torch.long)
         self.logits = torch.zeros(seqs, model.config.text.vocab_size, device=dev, dtype=torch.float32)
         self.hidden = torch.zeros(seqs, model.config.text.dim, device=dev, dtype=model.dtype)
@@ -98,10 +105,13 @@ class PrefillGraphs:
         self.positions[used:rows].zero_()  # (padded rows: a position the rotary table has)
         spans = ((s.seq_id, s.first_pos, s.end - s.start) for s in slices)
         self.slots[:used].copy_(to_device(self.cache.rows(spans), torch.long, self.slots.device))
-        context = pa.context_slots(self.cache, slices)
+        grouped = self.one_rows.fits(self.cache, slices)
+        packed = self.one_rows.pack(self.cache, slices if grouped else [])
+        self.one_rows_packed[:len(packed)].copy_(to_device(packed, torch.int32, self.x.device))
+        context = pa.context_slots(self.cache, slices, grouped)
         self.context[:context.numel()].copy_(context)
         work = torch.zeros(pa.WORK_FIELDS * _work_items(rows, seqs), dtype=torch.int32)  # zeros: empty items
-        items = pa.work_items(slices)
+        items = pa.work_items(slices, grouped)
         work[:len(items)] = torch.tensor(items, dtype=torch.int32)
         self.work[:work.numel()].copy_(to_device(work, torch.int32, self.work.device))
         self.last[:len(slices)].copy_(to_device([s.end - 1 for s in slices], self.last.dtype, self.last.device))
