@@ -1,8 +1,7 @@
 """Decode attention of many rows over paged image contexts (GPU only): the per-row kernel
 (decode_kernels.rotary_paged_attention, one program a row and head; 4 context splits as the decode graphs of 32 rows
 and more had them) against grouped_attention (one program a group of rows on one prefix and head), and the prefill
-kernel's one-row work items (how a mixed step's decode rows went) against grouped_attention on gathered rows; grouped_attention also with its
-shared positions split over 2 and 4 programs.
+kernel's one-row work items (how a mixed step's decode rows went) against grouped_attention on gathered rows.
 Moondream's heads (32 of 64, bf16), rows at 776 positions whose first 720 are an image prefix that no rows, pairs
 of rows or all rows share; microseconds a layer (one launch), and grouped_attention's relative difference from the
 per-row kernel. --tiles: grouped_attention's tiles swept (positions a tile, pipeline stages, warps).
@@ -68,12 +67,11 @@ def measure(rows: int, sharing: str, tiles: bool = False) -> dict:
     def per_row(splits):
         return dk.rotary_paged_attention(qkv, cos, sin, k_cache, v_cache, tables, lens, slots, HEADS, PAGE, splits)
 
-    def grouped(splits=1):
-        return grouped_attention(q, k, v, k_cache, v_cache, tables, lens, slots, groups, shared, PAGE, cos, sin,
-                                 splits=splits)
+    def grouped():
+        return grouped_attention(q, k, v, k_cache, v_cache, tables, lens, slots, groups, shared, PAGE, cos, sin)
 
     reference = per_row(1).float()
-    difference = max(float((grouped(s).float() - reference).norm() / reference.norm()) for s in (1, 4))
+    difference = float((grouped().float() - reference).norm() / reference.norm())
     step_rows = torch.arange(rows, dtype=torch.int32, device="cuda")
     positions = torch.arange(LENGTH - 1, device="cuda")
     context = (tables[:, positions // PAGE].long() * PAGE + positions % PAGE).reshape(-1)
@@ -81,7 +79,6 @@ def measure(rows: int, sharing: str, tiles: bool = False) -> dict:
                         dtype=torch.int32, device="cuda").reshape(-1)
     us = {"per-row kernel": timed(lambda: per_row(1)) * 1e3,
           "per-row kernel, 4 splits": timed(lambda: per_row(4)) * 1e3, "grouped": timed(grouped) * 1e3,
-          "grouped, 2 splits": timed(lambda: grouped(2)) * 1e3, "grouped, 4 splits": timed(lambda: grouped(4)) * 1e3,
           "prefill kernel, one-row items": timed(lambda: pa.prefill_attention(q, k, v, k_cache, v_cache, slots.long(),
                                                                              work, context)) * 1e3,
           "grouped, gathered rows": timed(lambda: grouped_attention(q, k, v, k_cache, v_cache, tables, lens, slots,
@@ -97,7 +94,7 @@ def measure(rows: int, sharing: str, tiles: bool = False) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--rows", type=int, nargs="+", default=[16, 64])
     p.add_argument("--tiles", action="store_true", help="also grouped_attention at other tiles")
     p.add_argument("--out", default="decode_attention.json")
     args = p.parse_args()

@@ -124,12 +124,12 @@ def launch_everything(capability: int) -> None:
         prefill_attention(q[:, :h], q[:, h:2 * h], q[:, 2 * h:], cache, cache, torch.zeros(64, dtype=torch.int64),
                           torch.tensor([0, 64, 10, 0, 16, 0], dtype=torch.int32), torch.zeros(16, dtype=torch.int64))
         i32 = dict(dtype=torch.int32)
-        for rotate, splits in ((True, 1), (True, 2), (True, 4), (False, 1)):  # decode steps (unrotated qkv); a flat
-            cos = torch.zeros(64, cfg.rope_dim // 2) if rotate else None    # step's rotated rows, gathered
+        for rotate in (True, False):  # the decode step's unrotated qkv; a flat step's rotated rows, gathered
+            cos = torch.zeros(64, cfg.rope_dim // 2) if rotate else None
             grouped_attention(q[:, :h], q[:, h:2 * h], q[:, 2 * h:], cache, cache, torch.zeros(64, 4, **i32),
                               torch.ones(64, **i32), torch.zeros(64, **i32), torch.zeros(64, GROUP, **i32),
-                              torch.zeros(64, **i32), page, cos, cos, None if rotate else torch.zeros(64, **i32),
-                              splits=splits)
+                              torch.zeros(64, **i32), page, cos, cos,
+                              None if rotate else torch.zeros(64, **i32))
         moe = MoeConfig()  # Moondream 3's experts: few tokens (decode) and many (prefill) take other tiles
         tau_inplace(torch.zeros(4, 3 * cfg.dim, **f), torch.zeros(4, 2 * h, **f), torch.zeros(h, **f),
                     torch.zeros(4, dtype=torch.int64), h, d)

@@ -159,8 +159,8 @@ def _moondream3_layer(x: torch.Tensor, h: torch.Tensor, block, next_ln, cfg, cac
 def _decode_attention(qkv: torch.Tensor, cfg, cache: PagedKVCache, layer: int, inputs: "StepTensors",
                       context_splits: int | None, grouped: bool) -> torch.Tensor:
     """The step's attention of its unrotated qkv rows [B, (H + 2 Hkv) * D] -> [B, H * D]: a program per row and
-    head, or, grouped, a program per group of rows that share pages and head (each split over the context, or the
-    shared positions, as context_splits says)."""
+    head (split over the context as context_splits says), or, grouped, a program per group of rows that share
+    pages and head."""
     if not grouped:
         return rotary_paged_attention(qkv, inputs.cos, inputs.sin, cache.k[layer], cache.v[layer],
                                       inputs.block_tables, inputs.seq_lens, inputs.slots, cfg.n_heads,
@@ -169,7 +169,7 @@ def _decode_attention(qkv: torch.Tensor, cfg, cache: PagedKVCache, layer: int, i
     heads = (t.view(len(qkv), -1, cfg.head_dim) for t in (q, k, v))
     return grouped_attention(*heads, cache.k[layer], cache.v[layer], inputs.block_tables, inputs.seq_lens,
                              inputs.slots, inputs.groups, inputs.shared, cache.page_size, inputs.cos,
-                             inputs.sin, splits=context_splits or 1)
+                             inputs.sin)
 
 
 def _moondream3_mlp(h: torch.Tensor, block) -> tuple[torch.Tensor, int]:
@@ -340,12 +340,6 @@ MANY_ROWS, MANY_ROWS_LONG_CONTEXT, MANY_ROWS_SPLITS = 32, 640, 4
 # once for all of them instead (grouped_attention; benchmarks compare without). At 16 rows it has too few programs
 # (H100: 117 against 89 us a layer with no rows sharing, 82 against 87 with pairs; bursts at batch 16 alike)
 GROUPED_ATTENTION, GROUPED_MIN_ROWS = True, 32
-GROUPED_SPLIT_ROWS = 0  # steps of fewer rows than this split each group's shared positions over programs (up to 4)
-
-
-def grouped_splits(bucket: int) -> int:
-    """Programs that share a group's shared positions in a grouped step of this many rows."""
-    return max(1, min(4, GROUPED_SPLIT_ROWS // bucket))
 
 
 class CudaGraphDecoder:
@@ -381,8 +375,6 @@ class CudaGraphDecoder:
         x = embed_rows(self.inputs.tokens(b), self.model.weights.text.wte, self.given[:b], previous)
         if b <= GEMV_MAX_ROWS:
             splits = None if long_context else 1
-        elif self._grouped(b, long_context):
-            splits = grouped_splits(b)
         else:
             splits = MANY_ROWS_SPLITS if long_context else None
         fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,

@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_kernels import _combine_splits_kernel
-
 GROUP = 16  # rows a program takes (tl.dot's smallest tile); more rows on one prefix make several groups
 # positions a tile, warps, pipeline stages (H100, 64 rows in pairs: `decode_attention.py --tiles`; 3 or 4 stages,
 # or 32 or 128 positions a tile, 7 to 12% slower, 8 warps 24%)
@@ -43,10 +41,9 @@ def _attend_block(qr, qp, k_cache_ptr, v_cache_ptr, tables_ptr, bt_stride, row, 
     v = tl.load(v_cache_ptr + base[:, None] + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
     s = tl.dot(qr, tl.trans(kr), input_precision=PRECISION) + tl.dot(qp, tl.trans(kp), input_precision=PRECISION)
     s = tl.where(visible_rows[:, None] & valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row that has seen no position yet: p and alpha 0)
-    p = tl.exp2(s - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # (every row's m_i is finite: its new token's score)
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -54,18 +51,16 @@ def _attend_block(qr, qp, k_cache_ptr, v_cache_ptr, tables_ptr, bt_stride, row, 
 @triton.jit
 def _grouped_attention_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, rows_ptr, cos_ptr, sin_ptr,
                               k_cache_ptr, v_cache_ptr, tables_ptr, bt_stride, lens_ptr, slots_ptr, groups_ptr,
-                              shared_ptr, out_ptr, out_stride, part_ml_ptr, part_acc_ptr, scale, H: tl.constexpr,
-                              HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
-                              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ROTATE: tl.constexpr,
-                              GATHER: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (group, head, split). A group is up to GROUP row indices j (-1 after the last), each naming a row's
+                              shared_ptr, out_ptr, out_stride, scale, H: tl.constexpr, HKV: tl.constexpr,
+                              D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
+                              BLOCK_N: tl.constexpr, ROTATE: tl.constexpr, GATHER: tl.constexpr,
+                              PRECISION: tl.constexpr):
+    """Program (group, head). A group is up to GROUP row indices j (-1 after the last), each naming a row's
     page table, length counting its new token (lens), new token's cache row (slots) and, with ROTATE, the
     rotary cos/sin of its position; its q/k/v are row rows[j] of q/k/v (row j without GATHER). Without ROTATE
     q and k are rotated already. The first `shared` positions are in the same pages for every row of the
-    group (those of its first row are read), a SPLITS-th of them a program; split 0 also takes each row's own
-    positions and new token. With several splits each stores its partial softmax (decode_kernels' layout: a
-    natural-log maximum) for decode_kernels._combine_splits_kernel."""
-    g, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    group (those of its first row are read)."""
+    g, h = tl.program_id(0), tl.program_id(1)
     lead = tl.load(groups_ptr + g * GROUP)
     if lead >= 0:
         ROT: tl.constexpr = 2 * HALF
@@ -91,79 +86,57 @@ def _grouped_attention_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride,
             k_rot = tl.load(k_row + offs_rot[None, :]).to(k_cache_ptr.dtype.element_ty)
         q_rot = q_rot * scale
         q_pass = tl.load(q_row + offs_pass[None, :]).to(tl.float32) * scale
+        k_pass = tl.load(k_row + offs_pass[None, :]).to(k_cache_ptr.dtype.element_ty)
+        v_new = tl.load(v_ptr + r[:, None] * v_stride + kvh * D + offs_d[None, :])
+        if h % (H // HKV) == 0:  # the first head of each kv head stores the new tokens' k/v
+            base = (tl.load(slots_ptr + j).to(tl.int64)[:, None] * HKV + kvh) * D
+            tl.store(k_cache_ptr + base + offs_rot[None, :], k_rot, mask=member[:, None])
+            tl.store(k_cache_ptr + base + offs_pass[None, :], k_pass, mask=member[:, None])
+            tl.store(v_cache_ptr + base + offs_d[None, :], v_new.to(v_cache_ptr.dtype.element_ty), mask=member[:, None])
+        # each row's own new token first: its score starts the running maximum
+        m_i = tl.sum(q_rot * k_rot.to(tl.float32), 1) + tl.sum(q_pass * k_pass.to(tl.float32), 1)
+        l_i = tl.full([GROUP], 1.0, tl.float32)
+        acc = v_new.to(tl.float32)
         qr, qp = q_rot.to(k_cache_ptr.dtype.element_ty), q_pass.to(k_cache_ptr.dtype.element_ty)
-        if split == 0:
-            k_pass = tl.load(k_row + offs_pass[None, :]).to(k_cache_ptr.dtype.element_ty)
-            v_new = tl.load(v_ptr + r[:, None] * v_stride + kvh * D + offs_d[None, :])
-            if h % (H // HKV) == 0:  # the first head of each kv head stores the new tokens' k/v
-                base = (tl.load(slots_ptr + j).to(tl.int64)[:, None] * HKV + kvh) * D
-                tl.store(k_cache_ptr + base + offs_rot[None, :], k_rot, mask=member[:, None])
-                tl.store(k_cache_ptr + base + offs_pass[None, :], k_pass, mask=member[:, None])
-                tl.store(v_cache_ptr + base + offs_d[None, :], v_new.to(v_cache_ptr.dtype.element_ty),
-                         mask=member[:, None])
-            # each row's own new token first: its score starts the running maximum
-            m_i = tl.sum(q_rot * k_rot.to(tl.float32), 1) + tl.sum(q_pass * k_pass.to(tl.float32), 1)
-            l_i = tl.full([GROUP], 1.0, tl.float32)
-            acc = v_new.to(tl.float32)
-        else:
-            m_i = tl.full([GROUP], float("-inf"), tl.float32)
-            l_i = tl.zeros([GROUP], tl.float32)
-            acc = tl.zeros([GROUP, D], tl.float32)
         shared = tl.load(shared_ptr + g)
-        chunk = tl.cdiv(tl.cdiv(shared, SPLITS), BLOCK_N) * BLOCK_N
-        hi = tl.minimum(shared, (split + 1) * chunk)
-        for start in range(split * chunk, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_block(qr, qp, k_cache_ptr, v_cache_ptr, tables_ptr, bt_stride, lead, start, hi,
+        for start in range(0, shared, BLOCK_N):
+            m_i, l_i, acc = _attend_block(qr, qp, k_cache_ptr, v_cache_ptr, tables_ptr, bt_stride, lead, start, shared,
                                           member, m_i, l_i, acc, kvh, HKV, D, ROT, PAGE, BLOCK_N, PRECISION)
-        if split == 0:
-            for m in range(0, tl.sum(member.to(tl.int32), 0)):  # each row's own cached positions
-                row = tl.load(groups_ptr + g * GROUP + m)
-                cached = tl.load(lens_ptr + row) - 1
-                for start in range(shared, cached, BLOCK_N):
-                    m_i, l_i, acc = _attend_block(qr, qp, k_cache_ptr, v_cache_ptr, tables_ptr, bt_stride, row,
-                                                  start, cached, offs_g == m, m_i, l_i, acc, kvh, HKV, D, ROT, PAGE,
-                                                  BLOCK_N, PRECISION)
-        if SPLITS == 1:
-            tl.store(out_ptr + r[:, None] * out_stride + h * D + offs_d[None, :],
-                     (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=member[:, None])
-        else:
-            part = (j * H + h) * SPLITS + split
-            tl.store(part_ml_ptr + 2 * part, m_i * 0.6931471805599453, mask=member)  # (base 2 to natural)
-            tl.store(part_ml_ptr + 2 * part + 1, l_i, mask=member)
-            tl.store(part_acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=member[:, None])
+        for m in range(0, tl.sum(member.to(tl.int32), 0)):  # each row's own cached positions
+            row = tl.load(groups_ptr + g * GROUP + m)
+            cached = tl.load(lens_ptr + row) - 1
+            for start in range(shared, cached, BLOCK_N):
+                m_i, l_i, acc = _attend_block(qr, qp, k_cache_ptr, v_cache_ptr, tables_ptr, bt_stride, row, start,
+                                              cached, offs_g == m, m_i, l_i, acc, kvh, HKV, D, ROT, PAGE, BLOCK_N,
+                                              PRECISION)
+        tl.store(out_ptr + r[:, None] * out_stride + h * D + offs_d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=member[:, None])
 
 
 def grouped_attention(q, k, v, k_cache, v_cache, tables, lens, slots, groups, shared, page_size: int, cos=None,
-                      sin=None, rows=None, out=None, splits: int = 1) -> torch.Tensor:
+                      sin=None, rows=None, out=None) -> torch.Tensor:
     """Attention of one new token per row over its paged context, rows grouped by shared pages.
 
     q [T, H, D] and k/v [T, Hkv, D] (rows may be strided: views of the qkv GEMM's output); caches [rows, Hkv, D];
     tables [B, P] int32, lens [B] int32 (counting the new token), slots [B] (its cache row), groups [G, GROUP]
     and shared [G] int32 (group_rows), for the B rows j; their q/k/v rows are rows[j] (int32), or j if rows is None.
     With cos/sin [B, rope_dim / 2] float32, q and k are rotated here (unrotated inputs), else they are rotated
-    already. splits: programs sharing a group's shared positions (their partial softmaxes then merged; rows must be
-    None and every row in a group). -> out [T, H * D] (rows not in a group left as they are)."""
+    already. -> out [T, H * D] (rows not in a group left as they are)."""
     h, d = q.shape[1], q.shape[2]
     hkv = k.shape[1]
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and h % hkv == 0 and groups.shape[1] == GROUP
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and tables.stride(1) == 1
     out = torch.empty(q.shape[0], h * d, device=q.device, dtype=q.dtype) if out is None else out
-    parts = len(lens) * h * splits if splits > 1 else 0
-    assert parts == 0 or (rows is None and out.stride(0) == h * d and splits & (splits - 1) == 0)
-    part_ml = torch.empty(max(1, 2 * parts), device=q.device, dtype=torch.float32)
-    part_acc = torch.empty(max(1, parts * d), device=q.device, dtype=torch.float32)
     rotate = cos is not None
     # (the kernel splits each head at the rotary width into two dots; unrotated, any power-of-two split will do)
     half = cos.shape[1] if rotate else d // 4
     cos, sin = (cos, sin) if rotate else (lens, lens)  # (unread without ROTATE)
-    _grouped_attention_kernel[(groups.shape[0], h, splits)](
+    _grouped_attention_kernel[(groups.shape[0], h)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), rows if rows is not None else lens, cos, sin,
-        k_cache, v_cache, tables, tables.stride(0), lens, slots, groups, shared, out, out.stride(0), part_ml, part_acc,
+        k_cache, v_cache, tables, tables.stride(0), lens, slots, groups, shared, out, out.stride(0),
         1.4426950408889634 * d ** -0.5, H=h, HKV=hkv, D=d, HALF=half, PAGE=page_size, GROUP=GROUP, BLOCK_N=KV_BLOCK,
-        SPLITS=splits, ROTATE=rotate, GATHER=rows is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ROTATE=rotate, GATHER=rows is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=WARPS, num_stages=STAGES)
-    if parts:
-        _combine_splits_kernel[(len(lens) * h,)](part_ml, part_acc, out, D=d, SPLITS=splits, PDL=False, num_warps=1)
     return out
 
 
