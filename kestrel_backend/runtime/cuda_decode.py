@@ -269,10 +269,7 @@ class StepInputs:
         if self._staged_for == (seq_ids, positions, bucket, grouped):
             return
         page, tables = self.cache.page_size, self._tables[:bucket]
-        tables.fill(self.cache.scratch_page)
-        for i, sid in enumerate(seq_ids):
-            table = self.cache.table_tensors[sid].numpy()
-            tables[i, :len(table)] = table
+        self.cache.fill_tables(seq_ids, tables)
         pos = np.zeros(bucket, dtype=np.int64)
         pos[:len(positions)] = positions
         self._slots[:bucket] = tables[np.arange(bucket), pos // page] * page + pos % page

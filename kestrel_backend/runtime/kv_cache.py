@@ -71,6 +71,14 @@ class PagedKVCache:
             if self._holders[page] == 0:
                 self._free.append(page)
 
+    def fill_tables(self, seq_ids: Sequence[int], tables: np.ndarray) -> None:
+        """Page tables of these sequences into the rows of tables [n, width] (a table's first `width` pages), the
+        scratch page after each and in the rows past them (a CUDA graph's padding rows write there)."""
+        tables.fill(self.scratch_page)
+        for row, seq_id in enumerate(seq_ids):
+            pages = self.table_tensors[seq_id].numpy()[:tables.shape[1]]
+            tables[row, :len(pages)] = pages
+
     def rows(self, spans: Iterable[tuple[int, int, int]]) -> np.ndarray:
         """Flat cache rows of positions [first, first + n) of each (seq_id, first, n), span after span, worked out
         on the host: one copy to the device for a step's sequences, not a few device operations each."""

@@ -153,14 +153,11 @@ class OneRowGroups:
         step_rows, lens, slots, shared = np.split(packed[:4 * c], 4)
         groups = packed[4 * c:(4 + GROUP) * c].reshape(c, GROUP)
         tables = packed[(4 + GROUP) * c:].reshape(n, self.width)
-        tables.fill(cache.scratch_page)
-        for i, s in enumerate(rows):
-            pages = cache.table_tensors[s.seq_id].numpy()[:self.width]
-            tables[i, :len(pages)] = pages
+        cache.fill_tables([s.seq_id for s in rows], tables)
         first = np.array([s.first_pos for s in rows], dtype=np.int64)
         step_rows[:n] = [s.start for s in rows]
         lens[:n] = first + 1
-        slots[:n] = tables[np.arange(n), first // page] * page + first % page
+        slots[:n] = cache.rows((s.seq_id, s.first_pos, 1) for s in rows)
         groups.fill(-1)
         if n:
             group_rows(tables, first, page, groups[:n], shared[:n])
