@@ -1,11 +1,14 @@
 """Profile one engine prefill step (fresh image queries) on the GPU: where does the time go?
 
-    python benchmarks/profile_prefill.py [sequences, default 16] [moondream2|moondream3]
+    python benchmarks/profile_prefill.py [sequences, default 16] [moondream2|moondream3] [fp8]
 
 Prints the step's wall time with the torch attention path and with the engine's (the Triton prefill kernel),
-then the engine's GPU busy time (the host's launch work shows in the difference to the wall time).
+then the engine's GPU busy time (the host's launch work shows in the difference to the wall time). fp8 (Moondream 3):
+the experts in FP8 beside widened copies (KESTREL_FP8_EXPERTS=both), the engine's step timed with the widened
+experts and W8A8 (moe_kernels.W8A8_PREFILL), the profile with W8A8.
 """
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -15,6 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import fresh_queries, text_weight_bytes  # noqa: E402
+from benchmarks.kestrel_checkpoint import fp8_experts  # noqa: E402
+from kestrel_backend.runtime import moe_kernels  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
@@ -23,10 +28,16 @@ from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.scheduler import make_attention  # noqa: E402
 
 
-def main(n: int = 16, family: str = "moondream2", prompt: int = 12) -> None:
+def main(n: int = 16, family: str = "moondream2", experts: str = "bf16", prompt: int = 12) -> None:
     config = MoondreamConfig.official(family)
     active_params = text_weight_bytes(config) / 2  # (the weights one token computes with)
-    model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
+    weights = random_weights(config, dtype=torch.bfloat16, device="cuda")
+    if experts == "fp8":
+        for block in weights.text.blocks:
+            if block.moe is not None:
+                block.moe = dataclasses.replace(fp8_experts(block.moe), fc1_wide=block.moe.fc1,
+                                                fc2_wide=block.moe.fc2)
+    model = Moondream(config, weights)
     cache = PagedKVCache(config.text, n * 64, 16, "cuda", torch.bfloat16)
     length = 730 + prompt
     for i in range(n):
@@ -39,8 +50,13 @@ def main(n: int = 16, family: str = "moondream2", prompt: int = 12) -> None:
         hidden = model.forward(x, torch.cat([s.positions for s in slices]), attention)
         return model.logits(hidden[[s.end - 1 for s in slices]])
 
+    variants = [("torch attention", TorchPagedAttention(cache), True), ("engine", make_attention(cache), True)]
+    if experts == "fp8":  # (in turns: the GPU's clock drifts)
+        variants = [("engine, widened experts", make_attention(cache), False),
+                    ("engine, W8A8 experts", make_attention(cache), True)] * 2
     with torch.inference_mode():
-        for name, attention in (("torch attention", TorchPagedAttention(cache)), ("engine", make_attention(cache))):
+        for name, attention, w8a8 in variants:
+            moe_kernels.W8A8_PREFILL = w8a8
             for _ in range(2):
                 step(attention)
             walls = []
@@ -62,4 +78,4 @@ def main(n: int = 16, family: str = "moondream2", prompt: int = 12) -> None:
 
 
 if __name__ == "__main__":
-    main(*[int(a) for a in sys.argv[1:2]], *sys.argv[2:3])
+    main(*[int(a) for a in sys.argv[1:2]], *sys.argv[2:4])

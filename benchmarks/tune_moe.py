@@ -5,9 +5,13 @@ weights (bf16, random) at a decode step's token count and a prefill's, in TFLOP/
     python benchmarks/tune_moe.py --decode    # a sweep of the up and the down kernel's tiles at 16 and 64 tokens
     python benchmarks/tune_moe.py --one-token # the same inside whole decode steps of one sequence (full-size model)
     python benchmarks/tune_moe.py --prefill   # a sweep of both kernels' tiles at short prefills' token counts
-    add --fp8 (not with --one-token): the experts in FP8 with a scale a row, as Kestrel's checkpoints hold them
+    add --fp8 (not with --one-token): the experts in FP8 with a scale a row, as Kestrel's checkpoints hold them; the
+    first form then also times the grouped GEMM on widened copies (KESTREL_FP8_EXPERTS=both), widened each call
+    (fp8) and W8A8 (FP8 activations, torch's FP8 grouped GEMM; with and without its fast accumulation), with each
+    one's error against the float32 MLP over the same FP8 weights
 """
 
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -120,25 +124,37 @@ def main() -> None:
         return kernel_sweep(x_for, moe, m)
     if "--prefill" in sys.argv:
         return kernel_sweep(x_for, moe, m, (300, 742, 1484), tile_grid((64, 128), (64, 128), (4, 8), (3, 4), (64, 128)))
-    default, grouped_from = mk._tiles, mk.GROUPED_GEMM_PAIRS
+    default, grouped_from, w8a8 = mk._tiles, mk.GROUPED_GEMM_PAIRS, mk.W8A8_PREFILL
+    fp8 = moe.fc1_scale is not None
+    if fp8:  # the float32 reference over the same weights, and the widened copies of `both`
+        wide = [mk.widened(w, s, torch.bfloat16) for w, s in ((moe.fc1, moe.fc1_scale), (moe.fc2, moe.fc2_scale))]
+        both = dataclasses.replace(moe, fc1_wide=wide[0], fc2_wide=wide[1])
+        exact = MoE(Linear(router_w.float(), router_b.float()), wide[0].float(), wide[1].float(), moe.top_k)
     for tokens in (1, 64, 300, 512, 742, 1024, 1484, 2968, 8 * 742):
         x = torch.randn(tokens, dim, device="cuda", generator=gen).bfloat16()
         flop = 2 * tokens * m.n_experts_per_tok * 3 * dim * m.expert_inner_dim
         experts = m.n_experts * (1 - (1 - m.n_experts_per_tok / m.n_experts) ** tokens)
         weight_bytes = experts * 3 * dim * m.expert_inner_dim * moe.fc1.element_size()
-        paths = {"current": (None, grouped_from)}
+        paths = {"current": (None, grouped_from, moe, w8a8, True)}  # tiles, grouped from, layer, W8A8, fast accum
         if tokens > 128:  # prefills: the kernels' tile candidates, and the grouped GEMM path
-            paths |= {name: (tiles, 10 ** 9) for name, tiles in CANDIDATES.items()} | {"grouped GEMM": (None, 0)}
-        for name, (tiles, grouped_pairs) in paths.items():
+            paths |= {name: (tiles, 10 ** 9, moe, w8a8, True) for name, tiles in CANDIDATES.items()}
+            paths |= {"grouped GEMM": (None, 0, moe, False, True)}
+            if fp8:
+                paths |= {"grouped GEMM both": (None, 0, both, False, True), "W8A8": (None, 0, moe, True, True),
+                          "W8A8 exact accum": (None, 0, moe, True, False)}
+        want = mk.moe_mlp_cuda(x.float(), exact) if fp8 and tokens >= 512 else None
+        for name, (tiles, grouped_pairs, layer, w8a8_path, fast) in paths.items():
             mk._tiles = default if tiles is None else (lambda *_, tiles=tiles: tiles)
-            mk.GROUPED_GEMM_PAIRS = grouped_pairs
+            mk.GROUPED_GEMM_PAIRS, mk.W8A8_PREFILL, mk.W8A8_FAST_ACCUM = grouped_pairs, w8a8_path, fast
             try:
-                ms = graph_timed(lambda: mk.moe_mlp_cuda(x, moe), calls=4)
+                ms = graph_timed(lambda: mk.moe_mlp_cuda(x, layer), calls=4)
+                err = "" if want is None else \
+                    f"  rel err {((mk.moe_mlp_cuda(x, layer).float() - want).norm() / want.norm()).item():.1e}"
                 print(f"{tokens:5d} tokens {name:18s} {ms:8.3f} ms  {flop / ms / 1e9:7.1f} TFLOP/s  "
-                      f"{weight_bytes / ms / 1e6:7.0f} GB/s", flush=True)
+                      f"{weight_bytes / ms / 1e6:7.0f} GB/s{err}", flush=True)
             except Exception as e:  # a tile that does not fit: say so, go on
                 print(f"{tokens:5d} tokens {name:18s} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
-        mk._tiles, mk.GROUPED_GEMM_PAIRS = default, grouped_from
+        mk._tiles, mk.GROUPED_GEMM_PAIRS, mk.W8A8_PREFILL, mk.W8A8_FAST_ACCUM = default, grouped_from, w8a8, True
 
 
 if __name__ == "__main__":

@@ -147,10 +147,16 @@ def launch_everything(capability: int) -> None:
                 mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), experts)
         if capability >= 89:
             mk.widened(fp8_experts.fc2, fp8_experts.fc2_scale, torch.bfloat16)
-        pairs = 1024 * moe.n_experts_per_tok  # (the grouped GEMM path of long prefills: its two kernels of our own)
+        pairs = 1024 * moe.n_experts_per_tok  # (the grouped GEMM path of long prefills: the kernels of our own)
+        mk.route_and_group(torch.zeros(1024, moe.n_experts, **f), moe.n_experts_per_tok, f["dtype"])
         mk.gated_gelu(torch.zeros(pairs, 2 * moe.expert_inner_dim, **f))
-        mk.combine_rows(torch.zeros(pairs, cfg.dim, **f), torch.zeros(pairs, dtype=torch.int32),
-                        torch.zeros(1024, moe.n_experts_per_tok, **f), f["dtype"])
+        for into in (None, torch.zeros(1024, cfg.dim, **f)):  # (the experts' sum alone; added to the residual)
+            mk.combine_rows(torch.zeros(pairs, cfg.dim, **f), torch.zeros(pairs, dtype=torch.int32),
+                            torch.zeros(1024, moe.n_experts_per_tok, **f), f["dtype"], into, torch.zeros(cfg.dim, **f))
+        if capability == 90 and f["dtype"] == torch.bfloat16:  # (W8A8: torch's FP8 grouped GEMM runs on sm90 only)
+            mk.gathered_fp8_rows(torch.zeros(1024, cfg.dim, **f), torch.zeros(pairs, dtype=torch.int32),
+                                 moe.n_experts_per_tok)
+            mk.gated_gelu_fp8(torch.zeros(pairs, 2 * moe.expert_inner_dim, **f))
         vision = torch.zeros(729, VisionConfig().enc_dim, **f)
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
 

@@ -812,10 +812,55 @@ def test_grouped_gemm_path_matches_the_per_expert_loop(tokens, top_k, fp8):
     assert rel_err(got, moe_mlp(x, moe)) < 1e-5
 
 
-@pytest.mark.parametrize("tokens, experts, top_k", [(1, 64, 8), (37, 64, 8), (20, 12, 3)])
+@pytest.mark.parametrize("tokens", [40, 1400])
+def test_experts_added_in_place_with_the_bias(tokens):
+    """A MoE layer's residual: out + bias + the expert MLP, added in place (at 1,400 tokens inside the kernel that
+    sums each token's rows on the grouped GEMM's path, at 40 after the expert kernels)."""
+    from kestrel_backend.model.text import moe_mlp
+    from kestrel_backend.runtime import moe_kernels as mk
+
+    gen = torch.Generator().manual_seed(9)
+    moe = random_moe(gen, dim=64, inner=64, experts=8, top_k=3)
+    x, out, bias = torch.randn(tokens, 64, generator=gen), torch.randn(tokens, 64, generator=gen), torch.randn(64)
+    want = out + bias + moe_mlp(x, moe)
+    if tokens < 1000:
+        mk.add_moe_mlp(out, x, moe, bias)
+    else:  # (the grouped GEMM's path runs on bf16 CUDA tensors only: called as add_moe_mlp calls it there)
+        gates, order, starts = mk.route_experts(x, moe.router, moe.top_k)
+        assert mk._moe_mlp_grouped(x, gates, order, starts, moe, out, bias) is out
+    assert rel_err(out, want) < 1e-5
+
+
+def test_fp8_rows_for_the_w8a8_grouped_gemm():
+    """The W8A8 path's FP8 operands: each pair's token row gathered in the pairs' order with a scale of its own
+    (the row's largest magnitude over 448), and the gated GELU's rows with theirs. Values on e4m3's grid in the
+    first case, so the conversion is exact (the interpreter rounds some values up to the next power of two wrongly:
+    0.06 of a row's norm against 0.025 on the GPU), within that in the second."""
+    from kestrel_backend.runtime import moe_kernels as mk
+
+    gen = torch.Generator().manual_seed(10)
+    tokens, top_k, dim = 9, 3, 96
+    grid = torch.randn(tokens, dim, generator=gen).mul(100).to(torch.float8_e4m3fn).float()
+    grid[:, 5] = 448.0  # (each row's largest value: its scale is exactly its token's)
+    token_scale = torch.rand(tokens, generator=gen) + 0.5
+    x = grid * (token_scale[:, None] / 448.0)
+    order = torch.randperm(tokens * top_k, generator=gen).to(torch.int32)
+    rows, scales = mk.gathered_fp8_rows(x, order, top_k)
+    token = (order // top_k).long()
+    assert rows.dtype == torch.float8_e4m3fn and torch.equal(rows.float(), grid[token])
+    assert rel_err(scales, token_scale[token] / 448.0) < 1e-6
+    h = torch.randn(11, 2 * 40, generator=gen)
+    act, act_scales = mk.gated_gelu_fp8(h)
+    want = F.gelu(h[:, :40]) * (h[:, 40:] + 1.0)
+    assert rel_err(act_scales, want.abs().amax(1) / 448.0) < 1e-6
+    assert rel_err(act.float() * act_scales[:, None], want) < 0.08
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 64, 8), (37, 64, 8), (20, 12, 3), (700, 64, 8)])
 def test_route_kernel_picks_the_top_experts_and_groups_the_pairs(tokens, experts, top_k):
-    """One program's routing against torch's topk and softmax: the same top logits best first, equal logits in the
-    order of their expert ids, the same weights; every (token, slot) pair in its expert's run, each once."""
+    """One program's routing (a long prefill's: two passes, a program a block of tokens, then one a block of pairs)
+    against torch's topk and softmax: the same top logits best first, equal logits in the order of their expert ids,
+    the same weights; every (token, slot) pair in its expert's run, each once."""
     from kestrel_backend.model.text import top_experts
     from kestrel_backend.runtime.moe_kernels import route_and_group
 

@@ -139,7 +139,14 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
         if block.moe is not None:
             if lora is not None:
                 raise ValueError("LoRA adapters are for Moondream 2's dense MLPs; this model's MLPs are experts")
-            x = x + linear(out, block.proj) + moe_mlp(h, block.moe)
+            if x.is_cuda:  # as the dense layers below: the residual adds in the GEMM and the experts' sum
+                from ..runtime.moe_kernels import add_moe_mlp
+
+                proj = dense(block.proj.weight).t()
+                x = torch.addmm(x, out, proj) if i == 0 else x.addmm_(out, proj)
+                add_moe_mlp(x, h, block.moe, block.out_bias)
+            else:
+                x = x + linear(out, block.proj) + moe_mlp(h, block.moe)
         elif lora is not None:
             attn_out, mlp_out = _block_outputs_with_lora(h, out, block, lora, i)
             x = x + attn_out + mlp_out

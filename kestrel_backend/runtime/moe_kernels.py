@@ -1,8 +1,8 @@
 """Moondream 3's expert MLPs on the GPU as grouped work, with no host sync (so decode steps replay as CUDA graphs).
 
 One program (`_route`) takes each token's top-k experts from the router's logits and their softmax weights, and
-groups the (token, expert) pairs by expert on the device (past ONE_PROGRAM_PAIRS pairs, in long prefills: torch's
-topk and sort); for a few tokens it is the last program of the router's own kernel. A program of
+groups the (token, expert) pairs by expert on the device (past ONE_PROGRAM_PAIRS pairs, in long prefills: the same
+in two passes of many programs); for a few tokens it is the last program of the router's own kernel. A program of
 `_moe_up_kernel` takes one expert and one block of its inner columns and runs every pair routed to that expert
 through fc1 (tiles of 16 rows in decode steps, 128 in prefill; tensor-core dots), reading the expert's weights once
 a tile, then applies gelu(h) * (g + 1). `_moe_down_kernel` does the same through fc2 and scales each row by its
@@ -14,8 +14,12 @@ its row's float32 scale after the dot.
 Long bf16 prefills on Hopper and later take another path (`_moe_mlp_grouped`): the pairs' rows gathered in
 expert order, both matmuls as torch's grouped GEMM (CUTLASS: about 600 TFLOP/s on an H100 where the kernels
 above reach 200, their programs each looping over one expert's rows), gelu(h) * (g + 1) and the weighted sum of a
-token's k rows as one pass each; FP8 experts are first widened to bf16 (weight * scale, one pass) into scratch,
-unless widened copies are kept beside them (KESTREL_FP8_EXPERTS=both: `experts_for`).
+token's k rows as one pass each (added to the layer's residual there: `add_moe_mlp`). FP8 experts on Hopper run
+as Kestrel runs them (W8A8): each gathered row and each gated-GELU row in FP8 with a float32 scale of its own, both
+matmuls as torch's FP8 grouped GEMM with a scale a row (H100, the MLP of 5,936 tokens 1.10 against 1.35 ms with
+widened bf16 experts; a relative error of 4e-2 against 4e-3 from the activations' rounding). Elsewhere FP8 experts
+are widened to bf16 (weight * scale, one pass) into scratch, unless widened copies are kept beside them
+(KESTREL_FP8_EXPERTS=both: `experts_for`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..model.text import top_experts
 from ..model.weights import MoE
 
 
@@ -129,16 +132,56 @@ def _router_kernel(x_ptr, x_stride, w_ptr, b_ptr, out_ptr, T, K: tl.constexpr, E
 
 
 @triton.jit
-def _gated_gelu_kernel(h_ptr, act_ptr, P, I: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr):
-    """act = gelu(h) * (g + 1) for rows [h | g] of fc1's grouped output [P, 2I] -> [P, I]."""
-    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+def _gated_gelu_tile(h_ptr, rows, cols, P, I: tl.constexpr):
+    """gelu(h) * (g + 1) in float32 for these rows and columns of [h | g] rows [P, 2I]; 0 outside them."""
     mask = (rows < P)[:, None] & (cols < I)[None, :]
     h_rows = h_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
     h = tl.load(h_rows, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(h_rows + I, mask=mask, other=0.0).to(tl.float32)
-    act = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476)) * (g + 1.0)  # exact GELU
+    return 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476)) * (g + 1.0), mask  # exact GELU
+
+
+@triton.jit
+def _gated_gelu_kernel(h_ptr, act_ptr, P, I: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr):
+    """act = gelu(h) * (g + 1) for rows [h | g] of fc1's grouped output [P, 2I] -> [P, I]."""
+    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    act, mask = _gated_gelu_tile(h_ptr, rows, cols, P, I)
     tl.store(act_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_rows(x):
+    """Rows of x [R, C] (float32) as FP8 (e4m3) values and a float32 scale a row: the row's largest
+    magnitude over 448, e4m3's largest value."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    return (x / scale[:, None]).to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _gated_gelu_fp8_kernel(h_ptr, act_ptr, scale_ptr, P, I: tl.constexpr, I_P2: tl.constexpr, BLOCK_P: tl.constexpr):
+    """_gated_gelu_kernel's rows in FP8 with a float32 scale a row (the second GEMM of the W8A8 path)."""
+    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, I_P2)
+    act, mask = _gated_gelu_tile(h_ptr, rows, cols, P, I)
+    values, scale = _fp8_rows(act)
+    tl.store(act_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], values, mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=rows < P)
+
+
+@triton.jit
+def _gather_fp8_kernel(x_ptr, x_stride, order_ptr, out_ptr, scale_ptr, P, K: tl.constexpr, K_P2: tl.constexpr,
+                       TOP_K: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Row p of out: the row of x of pair order[p]'s token (order[p] // TOP_K), in FP8 with a scale of its own."""
+    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, K_P2)
+    r_mask = rows < P
+    mask = r_mask[:, None] & (cols < K)[None, :]
+    token = (tl.load(order_ptr + rows, mask=r_mask, other=0) // TOP_K).to(tl.int64)
+    x = tl.load(x_ptr + token[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    values, scale = _fp8_rows(x)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], values, mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=r_mask)
 
 
 @triton.jit
@@ -152,10 +195,10 @@ def _widen_rows_kernel(w_ptr, s_ptr, out_ptr, COLS: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _combine_kernel(y_ptr, where_ptr, gates_ptr, out_ptr, N: tl.constexpr, TOP_K: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+def _combine_kernel(y_ptr, where_ptr, gates_ptr, out_ptr, bias_ptr, N: tl.constexpr, TOP_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr, ADD: tl.constexpr):
     """out[t] = the sum over t's k pairs of gate * (the pair's fc2 row), in float32: where[t * k + j] is the row
-    of pair (t, j) in the grouped output."""
+    of pair (t, j) in the grouped output. ADD: out[t] += bias + that sum instead (one rounding)."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -164,7 +207,10 @@ def _combine_kernel(y_ptr, where_ptr, gates_ptr, out_ptr, N: tl.constexpr, TOP_K
         row = tl.load(where_ptr + t * TOP_K + j).to(tl.int64)
         gate = tl.load(gates_ptr + t * TOP_K + j).to(tl.float32)
         acc += tl.load(y_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32) * gate
-    tl.store(out_ptr + t.to(tl.int64) * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out = out_ptr + t.to(tl.int64) * N + cols
+    if ADD:
+        acc += tl.load(out, mask=mask, other=0.0).to(tl.float32) + tl.load(bias_ptr + cols, mask=mask).to(tl.float32)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -174,33 +220,40 @@ def _route_kernel(logits_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order
 
 
 @triton.jit
+def _top_k_block(logits_ptr, offs_t, T, ids_ptr, gates_ptr, E: tl.constexpr, E_P2: tl.constexpr, K: tl.constexpr,
+                 K_P2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Tokens offs_t's top-K experts by router logit, best first (ties: the lower expert id), and the softmax of
+    those K logits in float32 (text.top_experts' values), stored; -> the ids [BLOCK_T, K_P2] (E past K and T)."""
+    offs_e, offs_k = tl.arange(0, E_P2), tl.arange(0, K_P2)
+    t_mask = offs_t < T
+    logits = tl.load(logits_ptr + offs_t[:, None] * E + offs_e[None, :], cache_modifier=".cg",  # (other programs')
+                     mask=t_mask[:, None] & (offs_e < E)[None, :], other=float("-inf")).to(tl.float32)
+    logits = tl.where(t_mask[:, None], logits, 0.0)  # (rows past T: finite, written nowhere)
+    top = tl.full([BLOCK_T, K_P2], float("-inf"), tl.float32)
+    ids = tl.full([BLOCK_T, K_P2], E, tl.int32)  # (slots past K, tokens past T: bin E, no expert's)
+    for j in range(K):  # (a loop: unrolled, the 64-token variant took 3.5 minutes to compile for sm80, 21 s sm90)
+        best = tl.argmax(logits, axis=1, tie_break_left=True)
+        top = tl.where(offs_k[None, :] == j, tl.max(logits, axis=1)[:, None], top)
+        ids = tl.where((offs_k[None, :] == j) & t_mask[:, None], best[:, None].to(tl.int32), ids)
+        logits = tl.where(offs_e[None, :] == best[:, None], float("-inf"), logits)
+    weights = tl.exp(top - tl.max(top, axis=1)[:, None])
+    weights = weights / tl.sum(weights, axis=1)[:, None]
+    pairs = offs_t[:, None] * K + offs_k[None, :]
+    mask = t_mask[:, None] & (offs_k < K)[None, :]
+    tl.store(ids_ptr + pairs, ids, mask=mask)
+    tl.store(gates_ptr + pairs, weights.to(gates_ptr.dtype.element_ty), mask=mask)
+    return ids
+
+
+@triton.jit
 def _route(logits_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E: tl.constexpr, E_P2: tl.constexpr,
            K: tl.constexpr, K_P2: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One program for the whole step: each token's top-K experts by router logit, best first (ties: the lower
-    expert id), and the softmax of those K logits in float32 (text.top_experts' values); then the (token, slot)
-    pairs grouped by expert: where each expert's run starts, and every pair placed in its expert's run (an atomic
-    counter an expert; the order inside a run does not change any row's result)."""
-    offs_e, offs_k = tl.arange(0, E_P2), tl.arange(0, K_P2)
+    """One program for the whole step: each token's top-K experts and their weights (_top_k_block); then the
+    (token, slot) pairs grouped by expert: where each expert's run starts, and every pair placed in its expert's run
+    (an atomic counter an expert; the order inside a run does not change any row's result)."""
     counts = tl.zeros([BINS], dtype=tl.int32)
     for t0 in range(0, T, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        t_mask = offs_t < T
-        logits = tl.load(logits_ptr + offs_t[:, None] * E + offs_e[None, :], cache_modifier=".cg",  # (other programs')
-                         mask=t_mask[:, None] & (offs_e < E)[None, :], other=float("-inf")).to(tl.float32)
-        logits = tl.where(t_mask[:, None], logits, 0.0)  # (rows past T: finite, written nowhere)
-        top = tl.full([BLOCK_T, K_P2], float("-inf"), tl.float32)
-        ids = tl.full([BLOCK_T, K_P2], E, tl.int32)  # (slots past K, tokens past T: bin E, no expert's)
-        for j in range(K):  # (a loop: unrolled, the 64-token variant took 3.5 minutes to compile for sm80, 21 s sm90)
-            best = tl.argmax(logits, axis=1, tie_break_left=True)
-            top = tl.where(offs_k[None, :] == j, tl.max(logits, axis=1)[:, None], top)
-            ids = tl.where((offs_k[None, :] == j) & t_mask[:, None], best[:, None].to(tl.int32), ids)
-            logits = tl.where(offs_e[None, :] == best[:, None], float("-inf"), logits)
-        weights = tl.exp(top - tl.max(top, axis=1)[:, None])
-        weights = weights / tl.sum(weights, axis=1)[:, None]
-        pairs = offs_t[:, None] * K + offs_k[None, :]
-        mask = t_mask[:, None] & (offs_k < K)[None, :]
-        tl.store(ids_ptr + pairs, ids, mask=mask)
-        tl.store(gates_ptr + pairs, weights.to(gates_ptr.dtype.element_ty), mask=mask)
+        ids = _top_k_block(logits_ptr, t0 + tl.arange(0, BLOCK_T), T, ids_ptr, gates_ptr, E, E_P2, K, K_P2, BLOCK_T)
         counts += tl.histogram(tl.reshape(ids, [BLOCK_T * K_P2]), BINS)
     e = tl.arange(0, BINS)
     starts = tl.cumsum(counts, 0) - counts
@@ -215,7 +268,36 @@ def _route(logits_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E
         tl.store(order_ptr + tl.atomic_add(fill_ptr + ids, 1, mask=mask, sem="relaxed"), offs, mask=mask)
 
 
-ONE_PROGRAM_PAIRS = 4096  # up to this many pairs (decode steps) one program routes and groups them; more: torch
+@triton.jit
+def _top_k_count_kernel(logits_ptr, T, ids_ptr, gates_ptr, counts_ptr, E: tl.constexpr, E_P2: tl.constexpr,
+                        K: tl.constexpr, K_P2: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Long prefills' routing, first pass (a program a block of tokens): _top_k_block, and each expert's pairs
+    counted into counts (zero before)."""
+    ids = _top_k_block(logits_ptr, tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T), T, ids_ptr, gates_ptr, E,
+                       E_P2, K, K_P2, BLOCK_T)
+    e = tl.arange(0, BINS)
+    tl.atomic_add(counts_ptr + e, tl.histogram(tl.reshape(ids, [BLOCK_T * K_P2]), BINS), mask=e < E, sem="relaxed")
+
+
+@triton.jit
+def _place_kernel(ids_ptr, counts_ptr, fill_ptr, starts_ptr, order_ptr, P, E: tl.constexpr, BINS: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
+    """Second pass (a program a block of pairs): where each expert's run starts (from the counts), and each pair
+    placed in its expert's run by an atomic counter an expert (fill: zero before)."""
+    e = tl.arange(0, BINS)
+    counts = tl.load(counts_ptr + e, mask=e < E, other=0)
+    starts = tl.cumsum(counts, 0) - counts
+    if tl.program_id(0) == 0:
+        tl.store(starts_ptr + e, tl.where(e < E, starts, P), mask=e <= E)
+    offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask = offs < P
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    run_start = tl.gather(starts, ids, 0)
+    tl.store(order_ptr + run_start + tl.atomic_add(fill_ptr + ids, 1, mask=mask, sem="relaxed"), offs, mask=mask)
+
+
+ONE_PROGRAM_PAIRS = 4096  # up to this many pairs (decode steps) one program routes and groups them; more: two passes
+ROUTE_BLOCK_T = 64  # tokens a program of the first pass
 
 
 def route_and_group(logits: torch.Tensor, top_k: int, dtype: torch.dtype):
@@ -224,14 +306,16 @@ def route_and_group(logits: torch.Tensor, top_k: int, dtype: torch.dtype):
     last is the pair count)). On the device, no sync."""
     t, n_experts = logits.shape
     pairs = t * top_k
-    if pairs > ONE_PROGRAM_PAIRS:
-        top_ids, gates = top_experts(logits, top_k, dtype)
-        flat = top_ids.reshape(-1).to(torch.int32)
-        counts = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
-        counts.scatter_add_(0, flat.long() + 1, torch.ones_like(flat))
-        return gates, torch.argsort(flat, stable=True).to(torch.int32), counts.cumsum(0, dtype=torch.int32)
     r = _Routing.empty(t, n_experts, top_k, dtype, logits.device)
-    _route_kernel[(1,)](logits, t, *r, **_route_constants(t, n_experts, top_k), num_warps=4)
+    if pairs <= ONE_PROGRAM_PAIRS:
+        _route_kernel[(1,)](logits, t, *r, **_route_constants(t, n_experts, top_k), num_warps=4)
+        return r.gates, r.order, r.starts
+    counters = torch.zeros(2, n_experts, dtype=torch.int32, device=logits.device)  # (counts, fill)
+    constants = _route_constants(ROUTE_BLOCK_T, n_experts, top_k)
+    _top_k_count_kernel[(triton.cdiv(t, ROUTE_BLOCK_T),)](logits, t, r.ids, r.gates, counters[0], **constants,
+                                                          num_warps=4)
+    _place_kernel[(triton.cdiv(pairs, 1024),)](r.ids, counters[0], counters[1], r.starts, r.order, pairs, E=n_experts,
+                                               BINS=constants["BINS"], BLOCK_P=1024, num_warps=4)
     return r.gates, r.order, r.starts
 
 
@@ -370,12 +454,36 @@ def gated_gelu(h: torch.Tensor) -> torch.Tensor:
     return act
 
 
-def combine_rows(y: torch.Tensor, where: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Each token's k rows of y (at where[t * k + j]) weighted by its gates [T, k] and summed -> [T, N]."""
+def gated_gelu_fp8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gated_gelu(h) as FP8 rows and their float32 scales [P]."""
+    p, inner = h.shape[0], h.shape[1] // 2
+    act = torch.empty(p, inner, device=h.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(p, device=h.device, dtype=torch.float32)
+    _gated_gelu_fp8_kernel[(triton.cdiv(p, 4),)](h, act, scale, p, I=inner, I_P2=triton.next_power_of_2(inner),
+                                                 BLOCK_P=4, num_warps=4)
+    return act, scale
+
+
+def gathered_fp8_rows(x: torch.Tensor, order: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows of the pairs in this order (a token's row once for each of its pairs) as FP8 rows and their float32
+    scales."""
+    p, d = order.numel(), x.shape[1]
+    out = torch.empty(p, d, device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(p, device=x.device, dtype=torch.float32)
+    _gather_fp8_kernel[(triton.cdiv(p, 2),)](x, x.stride(0), order, out, scale, p, K=d,
+                                             K_P2=triton.next_power_of_2(d), TOP_K=top_k, BLOCK_P=2, num_warps=4)
+    return out, scale
+
+
+def combine_rows(y: torch.Tensor, where: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype,
+                 into: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's k rows of y (at where[t * k + j]) weighted by its gates [T, k] and summed -> [T, N]; or added
+    to `into` with bias, in place."""
     t, top_k = gates.shape
     n = y.shape[1]
-    out = torch.empty(t, n, device=y.device, dtype=dtype)
-    _combine_kernel[(t, triton.cdiv(n, 512))](y, where, gates, out, N=n, TOP_K=top_k, BLOCK_N=512, num_warps=4)
+    out = torch.empty(t, n, device=y.device, dtype=dtype) if into is None else into
+    _combine_kernel[(t, triton.cdiv(n, 512))](y, where, gates, out, out if bias is None else bias, N=n, TOP_K=top_k,
+                                              BLOCK_N=512, ADD=into is not None, num_warps=4)
     return out
 
 
@@ -400,17 +508,38 @@ def experts_for(moe: MoE, tokens: int) -> tuple:
 
 
 def _moe_mlp_grouped(x: torch.Tensor, gates: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
-                     moe: MoE) -> torch.Tensor:
+                     moe: MoE, into: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The expert MLP with torch's grouped GEMM over the pairs in expert order (starts[e + 1]: where expert e's
-    rows end)."""
+    rows end); with `into`, added to it with bias, in place."""
     ends, top_k = starts[1:], moe.top_k
-    fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, x.shape[0])
-    fc1, fc2 = widened(fc1, fc1_scale, x.dtype), widened(fc2, fc2_scale, x.dtype)
-    h = torch._grouped_mm(x.index_select(0, order // top_k), fc1.transpose(1, 2), offs=ends)
-    y = torch._grouped_mm(gated_gelu(h), fc2.transpose(1, 2), offs=ends)
+    if _w8a8_takes(x, moe):
+        a, a_scale = gathered_fp8_rows(x, order, top_k)
+        h = torch._scaled_grouped_mm(a, moe.fc1.transpose(1, 2), a_scale, moe.fc1_scale, offs=ends, out_dtype=x.dtype,
+                                     use_fast_accum=W8A8_FAST_ACCUM)
+        act, act_scale = gated_gelu_fp8(h)
+        y = torch._scaled_grouped_mm(act, moe.fc2.transpose(1, 2), act_scale, moe.fc2_scale, offs=ends,
+                                     out_dtype=x.dtype, use_fast_accum=W8A8_FAST_ACCUM)
+    else:
+        fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, x.shape[0])
+        fc1, fc2 = widened(fc1, fc1_scale, x.dtype), widened(fc2, fc2_scale, x.dtype)
+        h = torch._grouped_mm(x.index_select(0, order // top_k), fc1.transpose(1, 2), offs=ends)
+        y = torch._grouped_mm(gated_gelu(h), fc2.transpose(1, 2), offs=ends)
     where = torch.empty_like(order)
     where[order.long()] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    return combine_rows(y, where, gates, x.dtype)
+    return combine_rows(y, where, gates, x.dtype, into, bias)
+
+
+W8A8_PREFILL = True  # FP8 experts in long prefills: activations in FP8 too (a scale a row), FP8 tensor-core GEMMs
+# Hopper's FP8 dots summed in the tensor cores' own precision, not promoted to float32 every few chunks: without it
+# torch's kernel is slower than the bf16 one past 1,500 tokens (H100, 5,936 tokens 1.60 against 1.35 ms), with it
+# 1.10; the error stays the activations' rounding (4.2e-2 either way, tune_moe.py --fp8)
+W8A8_FAST_ACCUM = True
+
+
+def _w8a8_takes(x: torch.Tensor, moe: MoE) -> bool:
+    """torch's FP8 grouped GEMM with a scale a row runs on Hopper (sm90) only."""
+    return (W8A8_PREFILL and moe.fc1_scale is not None and x.dtype == torch.bfloat16 and x.is_cuda
+            and hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(x.device) == (9, 0))
 
 
 def _grouped_gemm_pays(x: torch.Tensor, pairs: int) -> bool:
@@ -418,16 +547,31 @@ def _grouped_gemm_pays(x: torch.Tensor, pairs: int) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
+def add_moe_mlp(out: torch.Tensor, x: torch.Tensor, moe: MoE, bias: torch.Tensor) -> None:
+    """out += bias + the expert MLP of x, in place (in long prefills inside the kernel that sums each token's rows)."""
+    gates, order, starts = route_experts(x, moe.router, moe.top_k)
+    if _grouped_gemm_pays(x, x.shape[0] * moe.top_k):
+        _moe_mlp_grouped(x, gates, order, starts, moe, out, bias)
+    else:
+        out.add_(_moe_mlp_routed(x, moe, gates, order, starts)).add_(bias)
+
+
 def moe_mlp_cuda(x: torch.Tensor, moe: MoE, summed: bool = True) -> torch.Tensor:
     """[T, dim] -> [T, dim]: text.moe_mlp's result, computed as grouped work over the experts. summed=False: each
     token's top_k weighted expert rows instead, [T * top_k, dim] float32 (residual_norm sums them)."""
+    gates, order, starts = route_experts(x, moe.router, moe.top_k)
+    if summed and _grouped_gemm_pays(x, x.shape[0] * moe.top_k):
+        return _moe_mlp_grouped(x, gates, order, starts, moe)
+    return _moe_mlp_routed(x, moe, gates, order, starts, summed)
+
+
+def _moe_mlp_routed(x: torch.Tensor, moe: MoE, gates: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
+                    summed: bool = True) -> torch.Tensor:
+    """moe_mlp_cuda on the expert kernels, the tokens already routed."""
     t, d = x.shape
     top_k = moe.top_k
     n_experts, inner = moe.fc1.shape[0], moe.fc1.shape[1] // 2
-    gates, order, starts = route_experts(x, moe.router, top_k)
     pairs = t * top_k
-    if summed and _grouped_gemm_pays(x, pairs):
-        return _moe_mlp_grouped(x, gates, order, starts, moe)
     fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, t)
     scaled = fc1_scale is not None
     up, down = _tiles(t, x.dtype, scaled)
