@@ -136,27 +136,22 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
             qkv = apply_tau(qkv, positions, block.tau, config)
         q, k, v = split_qkv_with_rope(qkv, cos, sin, config)
         out = attention(i, q, k, v).reshape(n, -1)
-        if block.moe is not None:
-            if lora is not None:
-                raise ValueError("LoRA adapters are for Moondream 2's dense MLPs; this model's MLPs are experts")
-            if x.is_cuda:  # as the dense layers below: the residual adds in the GEMM and the experts' sum
-                from ..runtime.moe_kernels import add_moe_mlp
-
-                proj = dense(block.proj.weight).t()
-                x = torch.addmm(x, out, proj) if i == 0 else x.addmm_(out, proj)
-                add_moe_mlp(x, h, block.moe, block.out_bias)
-            else:
-                x = x + linear(out, block.proj) + moe_mlp(h, block.moe)
-        elif lora is not None:
+        if block.moe is not None and lora is not None:
+            raise ValueError("LoRA adapters are for Moondream 2's dense MLPs; this model's MLPs are experts")
+        if lora is not None:
             attn_out, mlp_out = _block_outputs_with_lora(h, out, block, lora, i)
             x = x + attn_out + mlp_out
-        elif x.is_cuda:  # residual adds folded into the two output GEMMs (beta = 1): two kernels less per layer
-            g = mlp_hidden(h, block.mlp)
+        elif x.is_cuda:  # residual adds folded into the output GEMMs (beta = 1) and the experts' sum: fewer kernels
             proj = dense(block.proj.weight).t()
-            x = torch.addmm(x, out, proj) if i == 0 else x.addmm_(out, proj)
-            x.addmm_(g, dense(block.mlp.fc2.weight).t()).add_(block.out_bias)  # in place past layer 0: x is ours then
+            x = torch.addmm(x, out, proj) if i == 0 else x.addmm_(out, proj)  # in place past layer 0: x is ours then
+            if block.moe is not None:
+                from ..runtime.moe_kernels import add_moe_mlp
+
+                add_moe_mlp(x, h, block.moe, block.out_bias)
+            else:
+                x.addmm_(mlp_hidden(h, block.mlp), dense(block.mlp.fc2.weight).t()).add_(block.out_bias)
         else:
-            x = x + linear(out, block.proj) + mlp(h, block.mlp)
+            x = x + linear(out, block.proj) + (moe_mlp(h, block.moe) if block.moe is not None else mlp(h, block.mlp))
     return x
 
 
