@@ -184,6 +184,7 @@ def burst_counters(engine) -> dict:
 
     s = engine.scheduler
     counters = {"steps": s.steps, "steps_mixed": s.steps_mixed, "prefixes_ahead": s.prefixes_ahead,
+                **{f"decode_steps_launched_ahead_{k}": v for k, v in s.steps_ahead.items()},
                 **{f"{k}_s": v for k, v in s.phase_s.items()}}
     if torch.cuda.is_available():
         m = torch.cuda.memory_stats()

@@ -108,6 +108,8 @@ def launch_everything(capability: int) -> None:
                     dk.norm_linear_attention(x, ln, ln, wq, bq, wf, bf, cos, cos, cache, cache, tables, lens, lens,
                                              page, torch.zeros(dk.one_kernel_counters(h, 1), dtype=torch.int32), splits)
             dk.greedy_tokens(dk.greedy_keys(m, "cpu"), host_out=torch.zeros(m, dtype=torch.int32))
+            dk.banned_greedy(torch.zeros(m, cfg.vocab_size), torch.zeros(m, 2, dtype=torch.int32),
+                             torch.zeros(m, dtype=torch.int32), torch.zeros(m, dtype=torch.int32))
             i32 = dict(dtype=torch.int32)
             segs, ranks = (torch.zeros(m, **i32), torch.zeros(m + 1, **i32), torch.zeros(m, **i32)), torch.zeros(9, **i32)
             for r in (16, 32, 64):  # LoRA pools of these rank capacities

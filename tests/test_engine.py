@@ -754,6 +754,44 @@ def test_no_step_is_launched_ahead_for_sequences_ending_with_this_steps_token(en
     assert predictable(running(30, 5), running(3, 1))
 
 
+def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back_new_ones(engine):
+    """A decode step launched before the last step's tokens were read computed these sequences' inputs: used whole
+    when it holds exactly them, its rows of theirs when others have ended since (a stop token, a cancel), dropped
+    when any input differs. While it is in flight, waiting requests join the step after (mixed), not this one."""
+    from kestrel_backend.runtime.scheduler import RowsOf
+
+    s = engine.scheduler
+    seqs = [Sequence(100 + i, "query", [0], Generation(), None, capacity=64) for i in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.length, seq.next_input = 10 + i, 7 + i
+    logits, hidden = torch.arange(3.0)[:, None].repeat(1, 5), torch.arange(3.0)[:, None].repeat(1, 4)
+
+    def launch(ids=(100, 101, 102), positions=(10, 11, 12)):
+        s._chosen = {seq.id: seq.next_input for seq in seqs}
+        s._ahead = (list(ids), list(positions), [()] * len(ids), (logits, hidden, RowsOf(torch.tensor([7, 8, 9]),
+                                                                                          [0, 1, 2])))
+
+    def use(running):
+        ids, positions = [seq.id for seq in running], [seq.length for seq in running]
+        return s._launched_ahead(running, ids, positions, [()] * len(running))
+
+    dropped = s.steps_ahead["dropped"]
+    try:
+        launch()
+        assert use(seqs)[0] is None and use(seqs) == (None, None)  # whole, then gone
+        launch()
+        s.running = seqs
+        s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))
+        assert s._admit() == [] and list(s.waiting)[0].id == 200  # (held back while the step is in flight)
+        rows, (lg, hd, greedy) = use([seqs[0], seqs[2]])  # the middle one ended
+        assert rows == [0, 2] and lg[:, 0].tolist() == hd[:, 0].tolist() == [0.0, 2.0] and greedy.tolist() == [7, 9]
+        launch(positions=(10, 11, 13))  # a position differs: dropped
+        assert use(seqs) == (None, None) and s.steps_ahead["dropped"] == dropped + 1
+    finally:
+        s._ahead, s.running, s._chosen = None, [], {}
+        s.waiting.clear()
+
+
 def test_a_sequence_taking_its_last_token_gives_its_slot_to_the_next_request(tiny_dir):
     """One slot, two requests of 3 tokens: the second prefills in the step where the first takes its last token (5
     steps in all, not 6), and both answers equal each request run alone."""

@@ -76,6 +76,26 @@ def test_norm_linear_matches_layer_norm_then_linear(m, full_size_tiles):
     assert logits.max() < 0 and dk.greedy_tokens(best).tolist() == logits.argmax(-1).tolist()
 
 
+def test_banned_greedy_matches_argmax_with_bans():
+    """The greedy tokens of steps past the GEMV form: argmax over float32 logits (ties to the lowest id, across the
+    kernel's blocks too) with each row's banned tokens -inf in the logits and skipped."""
+    g = torch.Generator().manual_seed(0)
+    m, v = 5, 9000  # (three blocks of 4096, the last partial)
+    logits = torch.randn(m, v, generator=g)
+    logits[1, [10, 8500]] = 50.0  # a tie across blocks: the lower id wins
+    logits[2] -= 1000.0  # every logit negative
+    logits[3, 4096] = 60.0  # the best is banned: the next best wins
+    banned = torch.full((m, 2), -1, dtype=torch.int32)
+    banned[3], banned[4, 0] = torch.tensor([4096, 0]), int(logits[4].argmax())
+    expected = logits.clone()
+    for row, tokens in enumerate(banned.tolist()):
+        expected[row, [t for t in tokens if t >= 0]] = float("-inf")
+    out, host = torch.zeros(m, dtype=torch.int32), torch.full((m,), -1, dtype=torch.int32)
+    dk.banned_greedy(logits, banned, out, host)
+    assert torch.equal(logits, expected)
+    assert out.tolist() == host.tolist() == expected.argmax(-1).tolist() and out[1] == 10
+
+
 @pytest.mark.parametrize("m", [1, 33])
 def test_linear2_residual_matches_torch(m):
     g = torch.Generator().manual_seed(m)

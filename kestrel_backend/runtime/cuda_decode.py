@@ -20,7 +20,7 @@ from ..model.packed import PackedWeight
 from ..model.layers import layer_norm, linear, mlp, mlp_hidden
 from ..model.text import apply_tau
 from .cuda_graphs import CapturedGraphs
-from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, embed_rows, gpu_paths, greedy_tokens, linear2_residual,
+from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, banned_greedy, embed_rows, gpu_paths, greedy_tokens, linear2_residual,
                              norm_linear, norm_linear_attention, one_kernel_counters, rotary_paged_attention)
 from .grouped_attention import GROUP, group_rows, grouped_attention
 from .kv_cache import PagedKVCache
@@ -43,8 +43,9 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
                       hidden_out: torch.Tensor | None = None, lora=None, grouped: bool = False) -> torch.Tensor:
     """One decode step (one new token per sequence) with the fused kernels, then the final norm and LM
     head. Writes float32 logits into logits_out; returns the hidden states (written into hidden_out if
-    given). With greedy_out, in the GEMV form the LM head also bans each row's inputs.banned tokens and
-    writes its greedy token there (and into greedy_host, pinned host memory, if given).
+    given). With greedy_out (and no lora), each row's inputs.banned tokens are -inf in the logits and its greedy
+    token goes there (and into greedy_host, pinned host memory, if given): chosen by the LM head in the GEMV form,
+    by banned_greedy after cuBLAS's LM head past it.
 
     Up to GEMV_MAX_ROWS sequences every weight is streamed by our kernels (for one sequence the
     attention runs inside the norm + qkv/fc1 kernel); past that, the norm + qkv/fc1 and the LM head go
@@ -114,6 +115,8 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
             greedy_tokens(best, out=greedy_out, host_out=greedy_host)
     else:
         logits_out.copy_(model.logits(x))
+        if greedy_out is not None and lora is None:
+            banned_greedy(logits_out, inputs.banned, greedy_out, greedy_host)
     return x
 
 
@@ -343,7 +346,7 @@ class CudaGraphDecoder:
     """Decode steps for up to max_batch sequences, captured once per batch-size bucket and replayed.
     Buckets of the GEMV form and of MANY_ROWS sequences or more get two graphs: for short contexts the
     attention is one program per sequence and head (GEMV form) or as context_splits has it; for long ones it
-    is split over the context, or grouped (from GROUPED_MIN_ROWS). They also come in two parities that
+    is split over the context, or grouped (from GROUPED_MIN_ROWS). Every bucket comes in two parities that
     alternate from step to step (inputs from pinned buffer p, greedy tokens into greedy[p] and pinned
     host buffer p): a step can then be launched while the one before is still running, taking that
     step's tokens as its inputs on the GPU (FED_BACK) before the host has read them. Steps where some row has
@@ -408,7 +411,7 @@ class CudaGraphDecoder:
         with torch.inference_mode():
             for b in self.buckets:
                 for long_context in self._variants(b):
-                    for parity in self._parities(b):
+                    for parity in (0, 1):
                         self._graph(b, long_context, parity)
                     if with_adapters:
                         self._graph(b, long_context, 0, lora=True)
@@ -416,9 +419,6 @@ class CudaGraphDecoder:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    @staticmethod
-    def _parities(bucket: int) -> tuple[int, ...]:
-        return (0, 1) if bucket <= GEMV_MAX_ROWS else (0,)
 
     @torch.inference_mode()
     def run(self, inputs: list, seq_ids: list[int], positions: list[int], banned: list[tuple[int, ...]] | None = None,
@@ -429,14 +429,13 @@ class CudaGraphDecoder:
         -> (logits [B, V], hidden [B, dim], greedy HostTokens or None): logits and hidden are views of
         static buffers, not yet computed when this returns (the GPU runs the step), and overwritten by
         the next step; greedy, each row's argmax with its bans applied (which are -inf in logits then),
-        is on its way to the host ahead of any later step. It comes with the GEMV form of the step when
-        every row bans at most MAX_BANNED and no row has an adapter (adapter_slots: each row's LoraPool slot,
-        0 for none)."""
+        is on its way to the host ahead of any later step. It comes when every row bans at most MAX_BANNED
+        and no row has an adapter (adapter_slots: each row's LoraPool slot, 0 for none)."""
         n = len(seq_ids)
         bucket = self._bucket(n)
         long_context = self._is_long(bucket, positions)
         lora = bool(adapter_slots) and any(adapter_slots)
-        parity = 1 - self._parity if bucket <= GEMV_MAX_ROWS and not lora else 0
+        parity = 1 - self._parity if not lora else 0
         tokens = [t if isinstance(t, int) else -1 for t in inputs]
         for i, given in enumerate(inputs):
             if not isinstance(given, int):
@@ -447,7 +446,7 @@ class CudaGraphDecoder:
         self._graph(bucket, long_context, parity, lora).replay()
         self.inputs.step_launched(parity)
         greedy = None
-        if bucket <= GEMV_MAX_ROWS and not lora:
+        if not lora:
             self._parity = parity
             if fits:
                 greedy = self._greedy_host[parity].after_step(n)

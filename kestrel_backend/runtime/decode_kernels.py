@@ -362,6 +362,42 @@ def greedy_tokens(best: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
+@triton.jit
+def _banned_greedy_kernel(logits_ptr, banned_ptr, out_ptr, host_ptr, V, stride, BANNED: tl.constexpr,
+                          BLOCK: tl.constexpr, TO_HOST: tl.constexpr):
+    row = tl.program_id(0)
+    base = logits_ptr + row.to(tl.int64) * stride
+    best_val = tl.full((), float("-inf"), tl.float32)
+    best = tl.full((), 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        vals = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        for j in tl.static_range(BANNED):
+            hit = cols == tl.load(banned_ptr + row * BANNED + j)  # (-1: none, matches no column)
+            vals = tl.where(hit, float("-inf"), vals)
+            tl.store(base + cols, tl.full((BLOCK,), float("-inf"), tl.float32), mask=hit)
+        m = tl.max(vals, axis=0)
+        i = tl.argmax(vals, axis=0)  # (the first of ties)
+        best = tl.where(m > best_val, start + i, best)  # (strictly greater: ties keep the earlier block's)
+        best_val = tl.maximum(best_val, m)
+    tl.store(out_ptr + row, best)
+    if TO_HOST:
+        tl.store(host_ptr + row, best)
+
+
+def banned_greedy(logits: torch.Tensor, banned: torch.Tensor, out: torch.Tensor,
+                  host_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's greedy token of float32 logits [M, V] with its banned tokens (banned [M, k] int32, -1 for none)
+    set to -inf in logits and skipped; ties go to the lowest id, as argmax's do. Into out [M] int32 and, if given,
+    host_out (pinned host memory the kernel writes itself): the steps of more than GEMV_MAX_ROWS rows, whose LM head
+    is cuBLAS's, choose their greedy tokens on the GPU as norm_linear does for the GEMV form."""
+    m, v = logits.shape
+    assert logits.stride(1) == 1 and banned.is_contiguous() and banned.shape[0] >= m and out.shape[0] >= m
+    _banned_greedy_kernel[(m,)](logits, banned, out, out if host_out is None else host_out, v, logits.stride(0),
+                                BANNED=banned.shape[1], BLOCK=4096, TO_HOST=host_out is not None, num_warps=8)
+    return out
+
+
 def _stats_chunk(k: int, block_m: int) -> int:
     """Row chunk for the norm's statistics: bounded registers."""
     return min(k, max(16, 4096 // block_m))
