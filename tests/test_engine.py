@@ -757,8 +757,11 @@ def test_no_step_is_launched_ahead_for_sequences_ending_with_this_steps_token(en
 def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back_new_ones(engine):
     """A decode step launched before the last step's tokens were read computed these sequences' inputs: used whole
     when it holds exactly them, its rows of theirs when others have ended since (a stop token, a cancel), dropped
-    when any input differs. While it is in flight, waiting requests join the step after (mixed), not this one."""
+    when any input differs. While it is in flight, waiting requests join the step after (mixed), not this one, and
+    none is launched ahead while a waiting request has a free slot (it would wait on)."""
     from kestrel_backend.runtime.scheduler import RowsOf
+    from kestrel_backend.skills.generation import TextGeneration
+    from kestrel_backend.skills.settings import Settings
 
     s = engine.scheduler
     seqs = [Sequence(100 + i, "query", [0], Generation(), None, capacity=64) for i in range(3)]
@@ -783,6 +786,17 @@ def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back
         s.running = seqs
         s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))
         assert s._admit() == [] and list(s.waiting)[0].id == 200  # (held back while the step is in flight)
+        text = [TextGeneration(engine.model.config.tokenizer, Settings.from_dict({"temperature": 0, "max_tokens": 9}))
+                for _ in seqs]
+        for seq, gen in zip(seqs, text):
+            seq.generation = gen
+        choices = [seq.generation.choice() for seq in seqs]
+        assert s._predictable(seqs, choices) and not s._may_launch_ahead(seqs, choices)  # (a slot is free for it)
+        s.max_batch_size, full = len(seqs), s.max_batch_size
+        try:
+            assert s._may_launch_ahead(seqs, choices)  # (every slot taken: it waits anyway)
+        finally:
+            s.max_batch_size = full
         rows, (lg, hd, greedy) = use([seqs[0], seqs[2]])  # the middle one ended
         assert rows == [0, 2] and lg[:, 0].tolist() == hd[:, 0].tolist() == [0.0, 2.0] and greedy.tolist() == [7, 9]
         launch(positions=(10, 11, 13))  # a position differs: dropped

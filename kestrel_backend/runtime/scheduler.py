@@ -511,7 +511,7 @@ class Scheduler:
         for seq in seqs:
             seq.length += 1
         positions = [s.length for s in seqs]
-        if launch_ahead and greedy is not None and rows is None and self._predictable(seqs, choices):
+        if launch_ahead and greedy is not None and rows is None and self._may_launch_ahead(seqs, choices):
             # launch the next step while the GPU runs this one, its inputs this step's tokens (fed back on
             # the GPU): the next step uses it if the guess holds, else drops it
             self._ahead = (ids, positions, banned, self.decoder.run([self.decoder.FED_BACK] * len(seqs), ids,
@@ -539,6 +539,13 @@ class Scheduler:
             return None, (logits, hidden, greedy)
         index = to_device(rows, torch.long, logits.device)
         return rows, (logits.index_select(0, index), hidden.index_select(0, index), RowsOf(greedy, rows))
+
+    def _may_launch_ahead(self, seqs: list[Sequence], choices) -> bool:
+        """Whether to launch the next decode step now: its inputs are predictable, and no waiting request could
+        take a free slot in it (_admit holds requests back while a step launched ahead is in flight: one step, as
+        none is launched again while they wait)."""
+        room = self.waiting and len(self.running) < self.max_batch_size
+        return not room and self._predictable(seqs, choices)
 
     @staticmethod
     def _predictable(seqs: list[Sequence], choices) -> bool:
