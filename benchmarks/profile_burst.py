@@ -37,6 +37,7 @@ from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.tokenizer import load_tokenizer  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
+from kestrel_backend.runtime.cuda_decode import HostTokens  # noqa: E402
 from kestrel_backend.runtime.scheduler import Scheduler  # noqa: E402
 from kestrel_backend.skills import sampling  # noqa: E402
 
@@ -49,6 +50,7 @@ PHASES = {  # marked methods -> their names in the profile
     (Scheduler, "_prepare_next_step"): "prepare next step",
     (Scheduler, "_advance"): "advance (stream, finish)",
     (sampling.TokensToHost, "tolist"): "read tokens (wait)",
+    (HostTokens, "tolist"): "read tokens (wait)",  # (the tokens a decode step's graph chose)
 }
 PREFIX = "kestrel:"
 TIMED_ON_GPU = {"encode (launch)", "prefill (launch)", "decode (launch)"}  # their GPU time by CUDA events too

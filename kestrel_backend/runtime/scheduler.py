@@ -290,7 +290,9 @@ class Scheduler:
         if self._ahead is not None and any(seq.id in self._ahead[0] for seq in self.running):
             # this step's decode was launched last step: requests join the next one, in its prefill forward (mixed),
             # rather than in one of their own (a forward reads every weight: every expert of a mixture)
-            self._spent, self._slots_full = 0, False  # (and no prefixes ahead in this step)
+            # (nor prefixes ahead, which would be a forward of their own, nor images encoded further ahead than
+            # the next two requests' in this step: the GPU's queue holds the next decode step already)
+            self._spent, self._slots_full = 0, False
             return []
         leaving = sum(not seq.generation.may_continue_after_next_token() for seq in self.running)
         free = self.max_batch_size - (len(self.running) - leaving)
