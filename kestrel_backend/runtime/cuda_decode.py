@@ -20,8 +20,9 @@ from ..model.packed import PackedWeight
 from ..model.layers import layer_norm, linear, mlp, mlp_hidden
 from ..model.text import apply_tau
 from .cuda_graphs import CapturedGraphs
-from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, banned_greedy, embed_rows, gpu_paths, greedy_tokens, linear2_residual,
-                             norm_linear, norm_linear_attention, one_kernel_counters, rotary_paged_attention)
+from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, banned_greedy, embed_rows, gpu_paths, greedy_tokens,
+                             linear2_residual, norm_linear, norm_linear_attention, one_kernel_counters,
+                             rotary_paged_attention)
 from .grouped_attention import GROUP, group_rows, grouped_attention
 from .kv_cache import PagedKVCache
 from .lora_kernels import lora_expand_in, lora_expand_out, lora_shrink, segments
@@ -418,7 +419,6 @@ class CudaGraphDecoder:
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
-
 
     @torch.inference_mode()
     def run(self, inputs: list, seq_ids: list[int], positions: list[int], banned: list[tuple[int, ...]] | None = None,
