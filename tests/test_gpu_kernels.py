@@ -793,14 +793,18 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, fp8, monkeypatc
     assert rel_err(got, moe_mlp(x, moe)) < 1e-5
 
 
-@pytest.mark.parametrize("tokens, reads_fp8", [(1, False), (5, True), (128, True), (129, False), (1400, False)])
-def test_fp8_experts_with_widened_copies_are_read_as_fp8_only_in_decode_steps_of_several_rows(tokens, reads_fp8):
-    """KESTREL_FP8_EXPERTS=both: a step of one row or a prefill reads the widened copies, a decode step of several
-    rows the FP8 experts and their scales; either way the MLP equals the loop over the experts times their scales."""
+@pytest.mark.parametrize("tokens, gemv, reads_fp8", [(1, True, True), (1, False, False), (5, True, True),
+                                                     (128, True, True), (129, True, False), (1400, True, False)])
+def test_fp8_experts_with_widened_copies_are_read_as_fp8_only_in_decode_steps(tokens, gemv, reads_fp8, monkeypatch):
+    """KESTREL_FP8_EXPERTS=both: a prefill reads the widened copies, a decode step the FP8 experts and their scales
+    (one row's only where its GEMVs take the experts' shapes); either way the MLP equals the loop over the experts
+    times their scales."""
     from benchmarks.kestrel_checkpoint import fp8_experts
     from kestrel_backend.model.text import moe_mlp
     from kestrel_backend.runtime import moe_kernels as mk
 
+    if gemv:
+        monkeypatch.setattr(mk, "GEMV_TILES", (dict(BLOCK_N=16, BLOCK_K=32, num_warps=4),) * 2)
     gen = torch.Generator().manual_seed(4)
     moe = fp8_experts(random_moe(gen, dim=64, inner=64, experts=8, top_k=2))
     moe.fc1_wide, moe.fc2_wide = moe.widened(torch.float32)
@@ -809,6 +813,31 @@ def test_fp8_experts_with_widened_copies_are_read_as_fp8_only_in_decode_steps_of
     assert (fc1_scale is None, fc2_scale is None) == (not reads_fp8, not reads_fp8)
     x = torch.randn(tokens, 64, generator=gen)
     assert rel_err(mk.moe_mlp_cuda(x, moe), moe_mlp(x, moe)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_tokens_fp8_experts_as_gemvs_match_the_per_expert_loop(dtype, monkeypatch):
+    """A decode step of one row over FP8 experts: a program a (pair, block of columns), the expert found from the
+    pairs' grouping; the MLP and each pair's weighted row (summed=False, as the decode step takes them) against the
+    loop over the experts times their scales."""
+    from benchmarks.kestrel_checkpoint import fp8_experts
+    from kestrel_backend.model.text import moe_mlp
+    from kestrel_backend.runtime import moe_kernels as mk
+
+    monkeypatch.setattr(mk, "GEMV_TILES", (dict(BLOCK_N=16, BLOCK_K=64, num_warps=4),
+                                           dict(BLOCK_N=32, BLOCK_K=32, num_warps=4)))
+    gen = torch.Generator().manual_seed(11)
+    moe = fp8_experts(random_moe(gen, dim=128, inner=96, experts=8, top_k=3))
+    assert mk._gemv_takes(1, True, 128, 96)
+    launched = []
+    monkeypatch.setattr(mk, "_moe_gemv", lambda *a, _f=mk._moe_gemv, **k: launched.append(1) or _f(*a, **k))
+    x = torch.randn(1, 128, generator=gen)
+    want = moe_mlp(x, moe)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(mk.moe_mlp_cuda(x.to(dtype), moe).float(), want) < tol
+    rows = mk.moe_mlp_cuda(x.to(dtype), moe, summed=False)
+    assert rows.shape == (3, 128) and rows.dtype == torch.float32 and launched == [1, 1]
+    assert rel_err(rows.sum(0, keepdim=True), want) < tol
 
 
 @pytest.mark.parametrize("tokens, top_k, fp8", [(300, 3, False), (1400, 8, False), (1400, 8, True)])

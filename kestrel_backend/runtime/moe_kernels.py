@@ -102,6 +102,58 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, order_ptr, starts_ptr, gates_ptr, 
 
 
 @triton.jit
+def _pair_expert(starts_ptr, j, E: tl.constexpr, E_P2: tl.constexpr):
+    """The expert whose run (in the pairs grouped by expert) holds position j: the number of runs ending at or
+    before it."""
+    e = tl.arange(0, E_P2)
+    ends = tl.load(starts_ptr + 1 + e, mask=e < E, other=1 << 30)
+    return tl.sum((ends <= j).to(tl.int32), 0).to(tl.int64)
+
+
+@triton.jit
+def _moe_gemv_up_kernel(x_ptr, x_stride, w1_ptr, s1_ptr, order_ptr, starts_ptr, act_ptr, K: tl.constexpr,
+                        I: tl.constexpr, E: tl.constexpr, E_P2: tl.constexpr, TOP_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_moe_up_kernel for one token's FP8 experts: a program a (pair, block of inner columns), products on the CUDA
+    cores in float32 (no 16-row tile of which 15 rows are padding), each FP8 weight widened once."""
+    j, nb = tl.program_id(0), tl.program_id(1)
+    e = _pair_expert(starts_ptr, j, E, E_P2)
+    token = (tl.load(order_ptr + j) // TOP_K).to(tl.int64)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_h = w1_ptr + e * (2 * I * K) + offs_n[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    acc_h = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xs = tl.load(x_ptr + token * x_stride + k0 + offs_k).to(tl.float32)[None, :]
+        acc_h += tl.load(w_h + k0).to(tl.float32) * xs
+        acc_g += tl.load(w_h + I * K + k0).to(tl.float32) * xs
+    h = tl.sum(acc_h, 1) * tl.load(s1_ptr + e * (2 * I) + offs_n)
+    g = tl.sum(acc_g, 1) * tl.load(s1_ptr + e * (2 * I) + I + offs_n)
+    act = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476)) * (g + 1.0)  # exact GELU
+    tl.store(act_ptr + j * I + offs_n, act.to(act_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _moe_gemv_down_kernel(act_ptr, w2_ptr, s2_ptr, order_ptr, starts_ptr, gates_ptr, out_ptr, N: tl.constexpr,
+                          I: tl.constexpr, E: tl.constexpr, E_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """_moe_down_kernel for one token's FP8 experts, as _moe_gemv_up_kernel."""
+    j, nb = tl.program_id(0), tl.program_id(1)
+    e = _pair_expert(starts_ptr, j, E, E_P2)
+    pair = tl.load(order_ptr + j)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w = w2_ptr + e * (N * I) + offs_n[:, None] * I + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        a = tl.load(act_ptr + j * I + k0 + offs_k).to(tl.float32)[None, :]
+        acc += tl.load(w + k0).to(tl.float32) * a
+    y = tl.sum(acc, 1) * tl.load(s2_ptr + e * N + offs_n) * tl.load(gates_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair.to(tl.int64) * N + offs_n, y)
+
+
+@triton.jit
 def _router_kernel(x_ptr, x_stride, w_ptr, b_ptr, out_ptr, T, K: tl.constexpr, E: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr, done_ptr, ids_ptr, gates_ptr,
                    starts_ptr, fill_ptr, order_ptr, E_P2: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
@@ -499,10 +551,10 @@ def widened(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
 
 def experts_for(moe: MoE, tokens: int) -> tuple:
     """(fc1, fc1_scale, fc2, fc2_scale) a step of this many tokens reads: with widened copies kept beside FP8 experts
-    (KESTREL_FP8_EXPERTS=both), the FP8 ones in steps of 2 to DECODE_ROWS tokens (decode steps of several rows, short
-    prefills), where reading half the bytes pays; one-row steps (FP8's tiles slower: PERFORMANCE.md) and longer
-    prefills (tensor-core bound) read the widened ones."""
-    if moe.fc1_wide is not None and not 1 < tokens <= DECODE_ROWS:
+    (KESTREL_FP8_EXPERTS=both), the FP8 ones in steps of up to DECODE_ROWS tokens (decode steps, short prefills; one
+    token's as GEMVs), where reading half the bytes pays; longer prefills (tensor-core bound) read the widened ones."""
+    fp8_pays = 1 < tokens <= DECODE_ROWS or _gemv_takes(tokens, True, moe.fc1.shape[2], moe.fc1.shape[1] // 2)
+    if moe.fc1_wide is not None and not fp8_pays:
         return moe.fc1_wide, None, moe.fc2_wide, None
     return moe.fc1, moe.fc1_scale, moe.fc2, moe.fc2_scale
 
@@ -574,10 +626,13 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, gates: torch.Tensor, order: torch
     pairs = t * top_k
     fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, t)
     scaled = fc1_scale is not None
-    up, down = _tiles(t, x.dtype, scaled)
-    assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0 and x.stride(1) == 1
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(pairs, d, device=x.device, dtype=torch.float32)
+    if _gemv_takes(t, scaled, d, inner):
+        _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, gates, order, starts, act, out, top_k)
+        return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
+    up, down = _tiles(t, x.dtype, scaled)
+    assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0 and x.stride(1) == 1
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)
     _moe_up_kernel[(n_experts, triton.cdiv(inner, up["BLOCK_N"]))](
         x, x.stride(0), fc1, fc1_scale if scaled else fc1, order, starts, act, K=d, I=inner, TOP_K=top_k,
@@ -586,3 +641,25 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, gates: torch.Tensor, order: torch
         act, fc2, fc2_scale if scaled else fc2, order, starts, gates.reshape(-1), out, N=d, I=inner,
         PRECISION=precision, SCALED=scaled, **down)
     return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
+
+
+# One token's FP8 experts as GEMVs (_moe_gemv_up_kernel): a program a pair and BLOCK_N inner or output columns
+GEMV_TILES = (dict(BLOCK_N=32, BLOCK_K=128, num_warps=4), dict(BLOCK_N=32, BLOCK_K=128, num_warps=4))
+ONE_TOKEN_FP8_GEMV = True
+
+
+def _gemv_takes(tokens: int, scaled: bool, dim: int, inner: int) -> bool:
+    up, down = GEMV_TILES
+    return (ONE_TOKEN_FP8_GEMV and tokens == 1 and scaled and inner % up["BLOCK_N"] == 0
+            and dim % up["BLOCK_K"] == 0 and dim % down["BLOCK_N"] == 0 and inner % down["BLOCK_K"] == 0)
+
+
+def _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, gates, order, starts, act, out, top_k: int) -> None:
+    """One token's expert MLP over its FP8 experts into out [k, dim] float32 (each pair's row times its gate)."""
+    n_experts, pairs, inner, d = fc1.shape[0], order.numel(), act.shape[1], out.shape[1]
+    up, down = GEMV_TILES
+    e_p2 = triton.next_power_of_2(n_experts)
+    _moe_gemv_up_kernel[(pairs, inner // up["BLOCK_N"])](x, x.stride(0), fc1, fc1_scale, order, starts, act, K=d,
+                                                          I=inner, E=n_experts, E_P2=e_p2, TOP_K=top_k, **up)
+    _moe_gemv_down_kernel[(pairs, d // down["BLOCK_N"])](act, fc2, fc2_scale, order, starts, gates.reshape(-1), out,
+                                                          N=d, I=inner, E=n_experts, E_P2=e_p2, **down)
