@@ -148,32 +148,17 @@ def run_engine(model, batch: int, mode: str, pairs, warmup, knobs: dict) -> dict
         start_s = time.perf_counter() - started  # (its CUDA graphs captured, its eager prefill steps warmed)
         asyncio.run(burst(warmup))
         before = burst_counters(engine)
-        groups = count_prefix_groups(engine.scheduler)
+        groups_before = collections.Counter(engine.scheduler.steps_by_prefixes_written)
         t0 = time.perf_counter()
         results = asyncio.run(burst(pairs))
         wall = time.perf_counter() - t0
         spent = {k: round(v - before.get(k, 0), 3) for k, v in burst_counters(engine).items()}
         spent = {k: v for k, v in spent.items() if v or not k.startswith("triton_variants:")}
+        groups = engine.scheduler.steps_by_prefixes_written - groups_before
     finally:
         engine.shutdown()
-        vars(engine.scheduler).pop("_keep_prefixes", None)  # (the counter's hold on it: its KV cache goes with it)
     return {**summarize(mode, batch, pairs, [{"metrics": r.metrics} for r in results], wall),
             **knobs, "engine_start_s": start_s, "burst": spent | {"steps_by_image_prefixes_written": dict(groups)}}
-
-
-def count_prefix_groups(scheduler) -> collections.Counter:
-    """From now on, how many steps wrote 1, 2, ... image prefixes (their requests' or ahead of them): a prefill step
-    reads every weight (every expert) however few its rows, so fewer, larger ones cost less."""
-    groups, keep = collections.Counter(), scheduler._keep_prefixes
-
-    def counted(prefilled, ahead=()):
-        written = sum(s.image_key is not None and not s.cached_tokens for s in prefilled) + len(ahead)
-        if written:
-            groups[written] += 1
-        return keep(prefilled, ahead)
-
-    scheduler._keep_prefixes = counted
-    return groups
 
 
 def burst_counters(engine) -> dict:

@@ -287,6 +287,7 @@ def test_questions_arriving_together_on_a_new_image_prefill_its_prefix_once(tiny
         results = asyncio.run(together())
         assert [r.output for r in results] == alone
         assert eng.stats()["prefix_hits"] == 1 and eng.stats()["images_encoded"] == 1
+        assert eng.scheduler.steps_by_prefixes_written == {1: 1}  # (one step wrote the image's prefix, once)
         assert eng.no_request_holds_pages()
     finally:
         eng.shutdown()

@@ -9,7 +9,8 @@ a tile, then applies gelu(h) * (g + 1). `_moe_down_kernel` does the same through
 routing weight; the k rows of a token are summed in float32 at the end (in decode steps by residual_kernels, with
 the residual). Experts no token chose cost one program that returns at once. FP8 experts (Kestrel's checkpoints)
 are read as FP8, half the bytes, widened to the activations' type in the kernels, and each output column scaled by
-its row's float32 scale after the dot.
+its row's float32 scale after the dot; one token's run as GEMVs instead (`_moe_gemv_up_kernel`: a 16-row tile
+would be 15 rows of padding, and widening its FP8 values to them cost more than the bytes saved).
 
 Long bf16 prefills on Hopper and later take another path (`_moe_mlp_grouped`): the pairs' rows gathered in
 expert order, both matmuls as torch's grouped GEMM (CUTLASS: about 600 TFLOP/s on an H100 where the kernels
@@ -628,7 +629,7 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, gates: torch.Tensor, order: torch
     scaled = fc1_scale is not None
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(pairs, d, device=x.device, dtype=torch.float32)
-    if _gemv_takes(t, scaled, d, inner):
+    if _gemv_takes(t, scaled, d, inner) and x.stride(1) == 1:
         _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, gates, order, starts, act, out, top_k)
         return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
     up, down = _tiles(t, x.dtype, scaled)
@@ -643,9 +644,12 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, gates: torch.Tensor, order: torch
     return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
 
 
-# One token's FP8 experts as GEMVs (_moe_gemv_up_kernel): a program a pair and BLOCK_N inner or output columns
+# One token's FP8 experts as GEMVs (_moe_gemv_up_kernel): a program a pair and BLOCK_N inner or output columns. H100
+# (h100_2026-11-27_moe_fp8_one_token_gemv.json, seven tiles swept inside the whole step): the MLP 33 against 69 us a
+# layer on the 16-row tiles, the one-row step 1.229 against 1.818 ms; 16 x 256 tiles gave the MLP alone 26.5 us but
+# the step 1.246 (the MLP shares the GPU with the attention's kernels on the other stream).
 GEMV_TILES = (dict(BLOCK_N=32, BLOCK_K=128, num_warps=4), dict(BLOCK_N=32, BLOCK_K=128, num_warps=4))
-ONE_TOKEN_FP8_GEMV = True
+ONE_TOKEN_FP8_GEMV = True  # (False: one-token steps take the tile kernels, as before; for A/B runs)
 
 
 def _gemv_takes(tokens: int, scaled: bool, dim: int, inner: int) -> bool:

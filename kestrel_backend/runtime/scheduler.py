@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,6 +149,9 @@ class Scheduler:
         self._placeholder_ids = itertools.count(-(1 << 30), -1)
         self._slots_full = False  # (set by _admit: requests wait for a slot)
         self.prefixes_ahead = 0  # image prefixes prefilled ahead of their requests
+        # steps by how many image prefixes they wrote (their sequences' or ahead of them): a prefill step reads every
+        # weight (every expert) however few its rows, so fewer, larger ones cost less
+        self.steps_by_prefixes_written: Counter = Counter()
         self.crop_cost = model.config.crop_cost_in_tokens
         self._spent = 0  # of the budget, by this step's admissions
         self.attention = make_attention(cache)
@@ -350,12 +353,14 @@ class Scheduler:
     def _keep_prefixes(self, prefilled: list[Sequence], ahead: list[PrefixAhead] = ()) -> None:
         """Offer the image prefixes just written to the prefix cache (in stream order, later steps read them
         after this one has written them)."""
-        for seq in prefilled:
-            if seq.image_key is not None and not seq.cached_tokens:
-                self.prefixes.insert(seq.prefix_key, self.cache.tables[seq.id], seq.prefix_len)
+        written = [seq for seq in prefilled if seq.image_key is not None and not seq.cached_tokens]
+        for seq in written:
+            self.prefixes.insert(seq.prefix_key, self.cache.tables[seq.id], seq.prefix_len)
         for a in ahead:
             self.prefixes.insert(a.key, self.cache.tables[a.id], a.prefix_len)
         self.prefixes_ahead += len(ahead)
+        if written or ahead:
+            self.steps_by_prefixes_written[len(written) + len(ahead)] += 1
 
     def _ahead_window(self) -> int:
         """How many requests at the head of the queue have their images encoded and prefilled ahead."""
