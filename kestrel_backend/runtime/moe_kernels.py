@@ -627,13 +627,14 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, gates: torch.Tensor, order: torch
     pairs = t * top_k
     fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, t)
     scaled = fc1_scale is not None
+    assert x.stride(1) == 1
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(pairs, d, device=x.device, dtype=torch.float32)
-    if _gemv_takes(t, scaled, d, inner) and x.stride(1) == 1:
+    if _gemv_takes(t, scaled, d, inner):
         _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, gates, order, starts, act, out, top_k)
         return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
     up, down = _tiles(t, x.dtype, scaled)
-    assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0 and x.stride(1) == 1
+    assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)
     _moe_up_kernel[(n_experts, triton.cdiv(inner, up["BLOCK_N"]))](
         x, x.stride(0), fc1, fc1_scale if scaled else fc1, order, starts, act, K=d, I=inner, TOP_K=top_k,
