@@ -1,6 +1,7 @@
 """Where one CUDA-graph decode step's time goes (full-size random weights, GPU only).
 
     python benchmarks/profile_decode.py [--batch 1] [--context 800] [--model moondream2|moondream3] [--four-bit]
+        [--fp8-experts] [--kernels 12]
 
 Prints the step's time, what a boundary between CUDA graphs costs (the step's graph replayed back to
 back, alone and with 2 or 8 steps in one graph), the kernels inside the replayed graph with their GPU
@@ -47,6 +48,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=800)
     p.add_argument("--model", default="moondream2", choices=["moondream2", "moondream3"])
     p.add_argument("--four-bit", action="store_true", help="Moondream 2's text blocks as packed 4-bit weights")
+    p.add_argument("--fp8-experts", action="store_true", help="Moondream 3's experts in FP8, a scale a row")
+    p.add_argument("--kernels", type=int, default=12, help="how many of the largest kernels to list")
     args = p.parse_args()
     config = MoondreamConfig.official(args.model)
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
@@ -54,6 +57,10 @@ def main() -> None:
         from benchmarks.w4a16_bench import four_bit
 
         model = four_bit(model)
+    if args.fp8_experts:
+        from benchmarks.moondream3_bench import experts_to_fp8
+
+        experts_to_fp8(model)
     cache = PagedKVCache(config.text, args.batch * (args.context // 16 + 2), 16, "cuda", torch.bfloat16)
     for i in range(args.batch):
         cache.allocate(i, args.context + 9)
@@ -97,7 +104,7 @@ def main() -> None:
     busy_ms = sum(e.self_device_time_total for e in kernels) / 10 / 1000
     print(f"batch {args.batch}, context {args.context}: step {step_ms:.3f} ms (graph replay alone {replay_ms:.3f} ms); "
           f"kernels busy {busy_ms:.3f} ms, between kernels {replay_ms - busy_ms:.3f} ms")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.kernels]:
         print(f"  {e.self_device_time_total / 10:9.1f} us  {e.count // 10:4d} x  {e.key[:90]}")
 
 

@@ -29,7 +29,7 @@ from kestrel_backend.model.packed import PackedWeight
 from kestrel_backend.model.weights import Linear, MoE
 from kestrel_backend.model.layer_norm_cuda import shifted_layer_norm
 from kestrel_backend.model.rope_cuda import rope_qk_inplace
-from kestrel_backend.model.tau_cuda import tau_inplace
+from kestrel_backend.model.tau_cuda import tau_inplace, tau_rows
 from kestrel_backend.runtime import decode_kernels as dk
 from kestrel_backend.runtime import lora_kernels as lk
 from kestrel_backend.runtime import moe_kernels as mk
@@ -135,6 +135,8 @@ def launch_everything(capability: int) -> None:
         moe = MoeConfig()  # Moondream 3's experts: few tokens (decode) and many (prefill) take other tiles
         tau_inplace(torch.zeros(4, 3 * cfg.dim, **f), torch.zeros(4, 2 * h, **f), torch.zeros(h, **f),
                     torch.zeros(4, dtype=torch.int64), h, d)
+        tau_rows(torch.zeros(1, 3 * cfg.dim, **f), torch.zeros(2 * h, 3 * cfg.dim, **f), torch.zeros(h, **f),
+                 torch.zeros(1, dtype=torch.int32), h, d)
         fc1 = torch.zeros(moe.n_experts, 2 * moe.expert_inner_dim, cfg.dim, **f)
         fc2 = torch.zeros(moe.n_experts, cfg.dim, moe.expert_inner_dim, **f)
         bf16_experts = MoE(Linear(torch.zeros(moe.n_experts, cfg.dim, **f), torch.zeros(moe.n_experts, **f)), fc1, fc2,

@@ -499,16 +499,16 @@ def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc
 @pytest.mark.parametrize("n_seqs, splits, adapters, fixture", [
     (1, None, False, "md2-tiny"), (1, 1, False, "md2-tiny"), (2, None, False, "md2-tiny"), (3, None, False, "md2-tiny"),
     (1, None, True, "md2-tiny"), (3, None, True, "md2-tiny"), (1, None, False, "md3-tiny"), (3, None, False, "md3-tiny"),
-    (1, None, False, "md2-tiny-4bit"), (3, None, False, "md2-tiny-4bit"), (3, "grouped", False, "md2-tiny"),
-    (3, "grouped", False, "md3-tiny")])
+    (2, None, False, "md3-tiny"), (1, None, False, "md2-tiny-4bit"), (3, None, False, "md2-tiny-4bit"),
+    (3, "grouped", False, "md2-tiny"), (3, "grouped", False, "md3-tiny")])
 def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n_seqs, splits, adapters, fixture,
                                                          full_size_tiles):
     """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch
     step, after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens:
     the interpreter runs every program in Python. With adapters: rows of adapters r8, none and r4 (from a
     LoraPool of rank 16 slots) against the torch step's per-row deltas. md3-tiny: Moondream 3's layers (tau from
-    each row's position, the expert kernels). md2-tiny-4bit: its text weights kept 4-bit, as on a GPU (the W4A16
-    kernels)."""
+    each row's position, for one or two rows in one kernel; the expert kernels). md2-tiny-4bit: its text weights kept
+    4-bit, as on a GPU (the W4A16 kernels)."""
     import dataclasses
 
     from kestrel_backend.model.moondream import Moondream
@@ -1052,3 +1052,25 @@ def test_grouped_attention_matches_attention_over_each_rows_pages(rotate):
         rows = tables[i, pos // page].long() * page + pos % page
         ref = attend(q[i:i + 1], k_cache[rows], v_cache[rows])
         assert rel_err(got[i].view(cfg.n_heads, d), ref[0]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tau_of_a_few_rows_in_one_kernel_matches_the_torch_path(dtype):
+    """tau_rows (the token part's GELU and product inside the kernel, out of place) against apply_tau's torch
+    path, rows at positions past 2,048 and 4,096 among them."""
+    from kestrel_backend.model.tau_cuda import tau_rows
+    from kestrel_backend.model.text import tau_scales
+    from kestrel_backend.model.weights import Tau
+
+    g = torch.Generator().manual_seed(5)
+    heads, head_dim, rows = 4, 16, 2
+    qkv = (torch.randn(rows, 3 * heads * head_dim, generator=g) * 2).to(dtype)
+    tau = Tau(alpha=torch.randn(heads, generator=g).to(dtype), w=(torch.randn(2 * heads, qkv.shape[1], generator=g)
+                                                                   / 8).to(dtype))
+    positions = torch.tensor([3, 4100], dtype=torch.int32)
+    got = tau_rows(qkv, tau.w, tau.alpha, positions, heads, head_dim)
+    scale_q, scale_v = tau_scales(qkv, positions, tau)
+    q, k, v = qkv.view(rows, 3, heads, head_dim).unbind(1)
+    ref = torch.stack([q * scale_q[..., None], k, v * scale_v[..., None]], 1).view(rows, -1)
+    assert torch.equal(got.view(rows, 3, heads, head_dim)[:, 1], k)
+    assert rel_err(got.float(), ref.float()) < (1e-6 if dtype == torch.float32 else 1e-2)

@@ -1,5 +1,6 @@
 """Moondream 3's tau scaling of q and v as one Triton kernel on the GPU, in place on the fused qkv rows (the torch
-version in text.py takes about a dozen small kernels per layer)."""
+version in text.py takes about a dozen small kernels per layer); for a decode step's few rows, tau_rows also works
+out the token part (gelu(qkv) @ w.T) inside, so tau is one kernel instead of four."""
 
 import torch
 import triton
@@ -40,3 +41,43 @@ def tau_inplace(qkv: torch.Tensor, lin: torch.Tensor, alpha: torch.Tensor, posit
     _tau_kernel[(triton.cdiv(t, TOKENS_PER_PROGRAM),)](
         qkv, lin, alpha, positions.contiguous(), t, qkv.stride(0), lin.stride(0), N_HEADS=n_heads,
         HEADS=triton.next_power_of_2(n_heads), HEAD_DIM=head_dim, BLOCK_T=TOKENS_PER_PROGRAM, num_warps=4)
+
+
+@triton.jit
+def _tau_rows_kernel(qkv_ptr, w_ptr, alpha_ptr, pos_ptr, out_ptr, row_stride, N_HEADS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, QKV_DIM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A program a (row, head of q, k or v) of a few rows: its head of qkv into out, q and v heads scaled by tau,
+    the token part (gelu(qkv) @ w.T, one row of w) worked out in the program, rounded as the torch path rounds."""
+    t, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    head = tl.load(qkv_ptr + t * row_stride + j * HEAD_DIM + d)
+    dtype = head.dtype
+    if (j >= N_HEADS) & (j < 2 * N_HEADS):  # a k head: as it is
+        tl.store(out_ptr + t * QKV_DIM + j * HEAD_DIM + d, head)
+    else:
+        h = j % N_HEADS
+        w_row = w_ptr + tl.where(j < N_HEADS, j, j - N_HEADS) * QKV_DIM  # (w: q's heads, then v's)
+        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, QKV_DIM, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(qkv_ptr + t * row_stride + offs).to(tl.float32)
+            g = (0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))).to(dtype).to(tl.float32)  # exact GELU
+            acc += g * tl.load(w_row + offs).to(tl.float32)
+        lin = tl.sum(acc, 0).to(dtype).to(tl.float32)
+        pos = tl.load(pos_ptr + t).to(tl.float32)
+        by_position = 0.5 + tl.sigmoid(tl.load(alpha_ptr + h).to(tl.float32) * tl.log(pos + 1.0))
+        scale = (2.0 * tl.sigmoid(2.0 * lin) - 1.0 + by_position).to(dtype).to(tl.float32)  # (tanh, as _tau_kernel)
+        tl.store(out_ptr + t * QKV_DIM + j * HEAD_DIM + d, (head.to(tl.float32) * scale).to(dtype))
+
+
+def tau_rows(qkv: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor, positions: torch.Tensor, n_heads: int,
+             head_dim: int) -> torch.Tensor:
+    """apply_tau of a decode step's few rows in one kernel (the token part's GELU and product included) -> a new
+    [T, 3 * n_heads * head_dim] (the kernel reads every row whole while it scales heads: not in place)."""
+    t, qkv_dim = qkv.shape
+    assert qkv.stride(1) == 1 and w.is_contiguous() and w.shape == (2 * n_heads, qkv_dim)
+    out = torch.empty(t, qkv_dim, device=qkv.device, dtype=qkv.dtype)
+    block_k = next(b for b in (1024, 512, 256, 128, 64, 32, 16) if qkv_dim % b == 0)
+    _tau_rows_kernel[(t, 3 * n_heads)](qkv, w, alpha, positions.contiguous(), out, qkv.stride(0), N_HEADS=n_heads,
+                                       HEAD_DIM=head_dim, QKV_DIM=qkv_dim, BLOCK_K=block_k, num_warps=4)
+    return out

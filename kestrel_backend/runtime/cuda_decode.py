@@ -18,6 +18,7 @@ import torch
 from ..model.moondream import Moondream
 from ..model.packed import PackedWeight
 from ..model.layers import layer_norm, linear, mlp, mlp_hidden
+from ..model.tau_cuda import tau_rows
 from ..model.text import apply_tau
 from .cuda_graphs import CapturedGraphs
 from .decode_kernels import (FED_BACK, GEMV_MAX_ROWS, banned_greedy, embed_rows, gpu_paths, greedy_tokens,
@@ -79,7 +80,7 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
         if block.tau is not None:  # Moondream 3's layers
             h = layer_norm(x, block.ln) if h is None else h
             x, h = _moondream3_layer(x, h, block, None if last else w.blocks[i + 1].ln, cfg, cache, i, inputs,
-                                     positions, context_splits, hidden_out if last else None, grouped)
+                                     positions, context_splits, hidden_out if last else None, grouped, gemv)
             continue
         if one_kernel:
             out, g = norm_linear_attention(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
@@ -142,18 +143,32 @@ def _join(side: torch.cuda.Stream | None) -> None:
         torch.cuda.current_stream().wait_stream(side)
 
 
+# tau of a step of one or two rows as one kernel (tau_rows) instead of four (GELU, cuBLAS's split-K product and its
+# reduction, tau_inplace): H100, FP8 experts, one row at context 64 / 800 1.181 / 1.301 against 1.229 / 1.332 ms, two
+# rows 1.605 / 1.723 against 1.613 / 1.739 (benchmarks/ab_code.py; bf16 experts, one row 1.452 / 1.500 against 1.449 /
+# 1.562). Our GEMV for qkv and proj instead of cuBLAS's, and the dense layers as Moondream 2's GEMV kernels, were no
+# faster (PERFORMANCE.md, What we tried).
+TAU_ONE_KERNEL = True  # (benchmarks compare without)
+
+
+def _tau(qkv: torch.Tensor, positions: torch.Tensor, tau, cfg, gemv: bool) -> torch.Tensor:
+    if gemv and TAU_ONE_KERNEL:
+        return tau_rows(qkv, tau.w, tau.alpha, positions, cfg.n_heads, cfg.head_dim)
+    return apply_tau(qkv, positions, tau, cfg)
+
+
 def _moondream3_layer(x: torch.Tensor, h: torch.Tensor, block, next_ln, cfg, cache: PagedKVCache, i: int,
                       inputs: "StepTensors", positions: torch.Tensor, context_splits: int | None,
-                      out: torch.Tensor | None, grouped: bool):
+                      out: torch.Tensor | None, grouped: bool, gemv: bool):
     """One Moondream 3 layer of a decode step on its normed input h: cuBLAS for qkv and proj, tau from each row's
-    position (positions: its length less one), the paged attention kernel, the dense MLP or the grouped expert
-    kernels, then the residual and the next layer's norm (next_ln; None for the last layer) in one kernel.
-    -> (x, next h).
+    position (positions: its length less one; with gemv, one or two rows, in one kernel), the paged attention
+    kernel, the dense MLP or the grouped expert kernels, then the residual and the next layer's norm (next_ln; None
+    for the last layer) in one kernel. -> (x, next h).
     The MLP (router, experts) runs on a side stream beside the attention's kernels: both read h alone, and
     neither fills the GPU by itself (H100, batch 1: 1.62 against 2.25 ms a step; 64 rows 7.53 against 8.29)."""
     side = _side_stream(x.device) if x.is_cuda else None
     mlp_out, top_k = _fork(side, _moondream3_mlp, h, block)
-    qkv = apply_tau(linear(h, block.qkv), positions, block.tau, cfg)
+    qkv = _tau(linear(h, block.qkv), positions, block.tau, cfg, gemv)
     attn = _decode_attention(qkv, cfg, cache, i, inputs, context_splits, grouped)
     proj = torch.addmm(block.proj.bias, attn, block.proj.weight.t())
     _join(side)
