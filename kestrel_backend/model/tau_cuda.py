@@ -58,7 +58,9 @@ def _tau_rows_kernel(qkv_ptr, w_ptr, alpha_ptr, pos_ptr, out_ptr, row_stride, N_
         h = j % N_HEADS
         w_row = w_ptr + tl.where(j < N_HEADS, j, j - N_HEADS) * QKV_DIM  # (w: q's heads, then v's)
         acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, QKV_DIM, BLOCK_K):
+        # unrolled, every chunk's loads issued at once (H100, one row at context 800: 1.234 against 1.299 ms a step
+        # with a loop over chunks of 1,024; at 64, 1.200 against 1.186)
+        for k0 in tl.static_range(0, QKV_DIM, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(qkv_ptr + t * row_stride + offs).to(tl.float32)
             g = (0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))).to(dtype).to(tl.float32)  # exact GELU
@@ -77,7 +79,7 @@ def tau_rows(qkv: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor, positions:
     t, qkv_dim = qkv.shape
     assert qkv.stride(1) == 1 and w.is_contiguous() and w.shape == (2 * n_heads, qkv_dim)
     out = torch.empty(t, qkv_dim, device=qkv.device, dtype=qkv.dtype)
-    block_k = next(b for b in (1024, 512, 256, 128, 64, 32, 16) if qkv_dim % b == 0)
+    block_k = next(b for b in (2048, 1024, 512, 256, 128, 64, 32, 16) if qkv_dim % b == 0)
     _tau_rows_kernel[(t, 3 * n_heads)](qkv, w, alpha, positions.contiguous(), out, qkv.stride(0), N_HEADS=n_heads,
-                                       HEAD_DIM=head_dim, QKV_DIM=qkv_dim, BLOCK_K=block_k, num_warps=4)
+                                       HEAD_DIM=head_dim, QKV_DIM=qkv_dim, BLOCK_K=block_k, num_warps=8)
     return out
