@@ -1056,8 +1056,8 @@ def test_grouped_attention_matches_attention_over_each_rows_pages(rotate):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tau_of_a_few_rows_in_one_kernel_matches_the_torch_path(dtype):
-    """tau_rows (the token part's GELU and product inside the kernel, out of place) against apply_tau's torch
-    path, rows at positions past 2,048 and 4,096 among them."""
+    """tau_rows (the token part's GELU and product inside the kernel, out of place) against the torch path's
+    scales, one row at position 3 and one at 4,100 (past 2,048 and 4,096), k left as it is."""
     from kestrel_backend.model.tau_cuda import tau_rows
     from kestrel_backend.model.text import tau_scales
     from kestrel_backend.model.weights import Tau

@@ -146,8 +146,8 @@ def _join(side: torch.cuda.Stream | None) -> None:
 # tau of a step of one or two rows as one kernel (tau_rows) instead of four (GELU, cuBLAS's split-K product and its
 # reduction, tau_inplace): H100, FP8 experts, one row at context 64 / 800 1.181 / 1.301 against 1.229 / 1.332 ms, two
 # rows 1.605 / 1.723 against 1.613 / 1.739 (benchmarks/ab_code.py; bf16 experts, one row 1.452 / 1.500 against 1.449 /
-# 1.562); its loop unrolled since (tau_cuda). Our GEMV for qkv and proj instead of cuBLAS's, and the dense layers as Moondream 2's GEMV kernels, were no
-# faster (PERFORMANCE.md, What we tried).
+# 1.562); its loop unrolled since (tau_cuda). Our GEMV for qkv and proj instead of cuBLAS's, and the dense layers as
+# Moondream 2's GEMV kernels, were no faster (PERFORMANCE.md, What we tried).
 TAU_ONE_KERNEL = True  # (benchmarks compare without)
 
 
