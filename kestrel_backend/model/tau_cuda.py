@@ -10,19 +10,30 @@ TOKENS_PER_PROGRAM = 4
 
 
 @triton.jit
+def _by_position(alpha, pos):
+    """The position part of tau's scales, 0.5 + sigmoid(alpha * log(pos + 1)), in float32."""
+    return 0.5 + tl.sigmoid(alpha.to(tl.float32) * tl.log(pos.to(tl.float32) + 1.0))
+
+
+@triton.jit
+def _scale(lin, by_position, dtype: tl.constexpr):
+    """tanh(lin) + by_position, rounded to the activations' dtype first as the torch path does, in float32
+    (tanh(x) = 2 sigmoid(2x) - 1)."""
+    return (2.0 * tl.sigmoid(2.0 * lin) - 1.0 + by_position).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _tau_kernel(qkv_ptr, lin_ptr, alpha_ptr, pos_ptr, T, row_stride, lin_stride, N_HEADS: tl.constexpr,
                 HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # [BLOCK_T, 1]
     h = tl.arange(0, HEADS)[None, :]  # HEADS: N_HEADS rounded up to a power of two
     mask = (t < T) & (h < N_HEADS)
-    pos = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)
-    alpha = tl.load(alpha_ptr + h, mask=h < N_HEADS, other=0.0).to(tl.float32)
-    by_position = 0.5 + tl.sigmoid(alpha * tl.log(pos + 1.0))
+    by_position = _by_position(tl.load(alpha_ptr + h, mask=h < N_HEADS, other=0.0),
+                               tl.load(pos_ptr + t, mask=t < T, other=0))
     lin_q = tl.load(lin_ptr + t * lin_stride + h, mask=mask, other=0.0).to(tl.float32)
     lin_v = tl.load(lin_ptr + t * lin_stride + N_HEADS + h, mask=mask, other=0.0).to(tl.float32)
-    # tanh(x) = 2 sigmoid(2x) - 1; each scale rounded to the activations' dtype first, as the torch path does
-    scale_q = (2.0 * tl.sigmoid(2.0 * lin_q) - 1.0 + by_position).to(qkv_ptr.dtype.element_ty).to(tl.float32)
-    scale_v = (2.0 * tl.sigmoid(2.0 * lin_v) - 1.0 + by_position).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    scale_q = _scale(lin_q, by_position, qkv_ptr.dtype.element_ty)
+    scale_v = _scale(lin_v, by_position, qkv_ptr.dtype.element_ty)
     d = tl.arange(0, HEAD_DIM)[None, None, :]
     q = qkv_ptr + t[:, :, None] * row_stride + h[:, :, None] * HEAD_DIM + d
     v = q + 2 * N_HEADS * HEAD_DIM
@@ -66,9 +77,7 @@ def _tau_rows_kernel(qkv_ptr, w_ptr, alpha_ptr, pos_ptr, out_ptr, row_stride, N_
             g = (0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))).to(dtype).to(tl.float32)  # exact GELU
             acc += g * tl.load(w_row + offs).to(tl.float32)
         lin = tl.sum(acc, 0).to(dtype).to(tl.float32)
-        pos = tl.load(pos_ptr + t).to(tl.float32)
-        by_position = 0.5 + tl.sigmoid(tl.load(alpha_ptr + h).to(tl.float32) * tl.log(pos + 1.0))
-        scale = (2.0 * tl.sigmoid(2.0 * lin) - 1.0 + by_position).to(dtype).to(tl.float32)  # (tanh, as _tau_kernel)
+        scale = _scale(lin, _by_position(tl.load(alpha_ptr + h), tl.load(pos_ptr + t)), dtype)
         tl.store(out_ptr + t * QKV_DIM + j * HEAD_DIM + d, (head.to(tl.float32) * scale).to(dtype))
 
 

@@ -45,6 +45,12 @@ def _pair_rows(order_ptr, r0, end, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _gated_gelu(h, g):
+    """gelu(h) * (g + 1) in float32, the exact (erf) GELU."""
+    return 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476)) * (g + 1.0)
+
+
+@triton.jit
 def _moe_up_kernel(x_ptr, x_stride, w1_ptr, s1_ptr, order_ptr, starts_ptr, act_ptr, K: tl.constexpr, I: tl.constexpr,
                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRECISION: tl.constexpr, SCALED: tl.constexpr):
@@ -72,7 +78,7 @@ def _moe_up_kernel(x_ptr, x_stride, w1_ptr, s1_ptr, order_ptr, starts_ptr, act_p
         if SCALED:
             acc_h *= s_h[None, :]
             acc_g *= s_g[None, :]
-        act = 0.5 * acc_h * (1.0 + tl.math.erf(acc_h * 0.7071067811865476)) * (acc_g + 1.0)  # exact GELU
+        act = _gated_gelu(acc_h, acc_g)
         tl.store(act_ptr + rows[:, None].to(tl.int64) * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
 
@@ -131,7 +137,7 @@ def _moe_gemv_up_kernel(x_ptr, x_stride, w1_ptr, s1_ptr, order_ptr, starts_ptr, 
         acc_g += tl.load(w_h + I * K + k0).to(tl.float32) * xs
     h = tl.sum(acc_h, 1) * tl.load(s1_ptr + e * (2 * I) + offs_n)
     g = tl.sum(acc_g, 1) * tl.load(s1_ptr + e * (2 * I) + I + offs_n)
-    act = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476)) * (g + 1.0)  # exact GELU
+    act = _gated_gelu(h, g)
     tl.store(act_ptr + j * I + offs_n, act.to(act_ptr.dtype.element_ty))
 
 
@@ -191,7 +197,7 @@ def _gated_gelu_tile(h_ptr, rows, cols, P, I: tl.constexpr):
     h_rows = h_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
     h = tl.load(h_rows, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(h_rows + I, mask=mask, other=0.0).to(tl.float32)
-    return 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476)) * (g + 1.0), mask  # exact GELU
+    return _gated_gelu(h, g), mask
 
 
 @triton.jit
