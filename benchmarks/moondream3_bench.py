@@ -87,10 +87,11 @@ def refine_latency(model: Moondream) -> dict:
     return {"gpu_encoder_and_head_ms_median": round(sorted(times[3:])[10], 2)}
 
 
-def fp8_agreement() -> dict:
+def fp8_agreement(one_at_a_time: bool = False) -> dict:
     """md3-tiny with its experts in FP8 (Kestrel's layout): the float32 GPU engine, which keeps them FP8 (its expert
     kernels scale after the dot; with KESTREL_FP8_EXPERTS=both beside widened copies), against the CPU engine, which
-    dequantises them at load: every text, point and detect case (32 at once on the GPU) with the same outputs."""
+    dequantises them at load: every text, point and detect case (32 at once on the GPU; one_at_a_time: each alone,
+    its decode steps of one row on the one-token expert GEMVs) with the same outputs."""
     from safetensors.torch import load_file
 
     fixture = ROOT / "tests" / "fixtures" / "md3-tiny"
@@ -108,6 +109,8 @@ def fp8_agreement() -> dict:
                                                           max_batch_size=32, fp8_experts=mode))
             try:
                 async def run():
+                    if one_at_a_time:
+                        return [await submit_case(engine, fixture, c) for c in cases]
                     return await asyncio.gather(*[submit_case(engine, fixture, c) for c in cases])
 
                 outputs[device, mode] = [r.output for r in asyncio.run(run())]
@@ -153,7 +156,7 @@ def main() -> int:
             print(table(rows[-3:]), flush=True)
     res["decode"] = rows
     res["peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
-    res["fp8_check"] = fp8_agreement()
+    res["fp8_check"] = fp8_agreement() | {"one at a time": fp8_agreement(one_at_a_time=True)}
     print(json.dumps(res["fp8_check"]), flush=True)
     before = torch.cuda.memory_allocated()
     experts_to_fp8(model)

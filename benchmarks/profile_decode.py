@@ -1,11 +1,12 @@
 """Where one CUDA-graph decode step's time goes (full-size random weights, GPU only).
 
     python benchmarks/profile_decode.py [--batch 1] [--context 800] [--model moondream2|moondream3] [--four-bit]
-        [--fp8-experts] [--kernels 12]
+        [--fp8-experts] [--kernels 12] [--timeline kernels.txt]
 
 Prints the step's time, what a boundary between CUDA graphs costs (the step's graph replayed back to
 back, alone and with 2 or 8 steps in one graph), the kernels inside the replayed graph with their GPU
-time, and what is left between them (launch gaps, ramp-up and tails of short kernels).
+time, and what is left between them (launch gaps, ramp-up and tails of short kernels); --timeline writes one
+replay's kernels with their start and end times and streams (Moondream 3 runs its MLP on a stream of its own).
 """
 
 import argparse
@@ -50,6 +51,7 @@ def main() -> None:
     p.add_argument("--four-bit", action="store_true", help="Moondream 2's text blocks as packed 4-bit weights")
     p.add_argument("--fp8-experts", action="store_true", help="Moondream 3's experts in FP8, a scale a row")
     p.add_argument("--kernels", type=int, default=12, help="how many of the largest kernels to list")
+    p.add_argument("--timeline", help="write one replay's kernels (start and end us, stream, name) to this file")
     args = p.parse_args()
     config = MoondreamConfig.official(args.model)
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
@@ -106,6 +108,28 @@ def main() -> None:
           f"kernels busy {busy_ms:.3f} ms, between kernels {replay_ms - busy_ms:.3f} ms")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.kernels]:
         print(f"  {e.self_device_time_total / 10:9.1f} us  {e.count // 10:4d} x  {e.key[:90]}")
+    if args.timeline:
+        write_timeline(prof, args.timeline)
+
+
+def write_timeline(prof, path: str) -> None:
+    """The last replay's kernels in start order, times from its first kernel's start: which stream's kernels
+    wait for which (the critical path of a step with work on two streams)."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    per_replay = len(kernels) // 10
+    last = kernels[-per_replay:]
+    t0 = last[0]["ts"]
+    with open(path, "w") as out:
+        for e in last:
+            out.write(f"{e['ts'] - t0:9.1f} {e['ts'] + e['dur'] - t0:9.1f} {e['args'].get('stream', '?'):>4} "
+                      f"{e['name'][:80]}\n")
+    print(f"timeline of one replay ({per_replay} kernels): {path}")
 
 
 if __name__ == "__main__":

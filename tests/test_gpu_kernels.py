@@ -817,11 +817,12 @@ def test_fp8_experts_with_widened_copies_are_read_as_fp8_only_in_decode_steps(to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_tokens_fp8_experts_as_gemvs_match_the_per_expert_loop(dtype, monkeypatch):
-    """A decode step of one row over FP8 experts: a program a (pair, block of columns), the expert found from the
-    pairs' grouping; the MLP and each pair's weighted row (summed=False, as the decode step takes them) against the
-    loop over the experts times their scales."""
+    """A decode step of one row over FP8 experts: a program a (slot of the token's top k, block of columns), the
+    slot's expert and weight picked in the program from the router's logits; the MLP and each pair's weighted row
+    (summed=False, as the decode step takes them) against the loop over the experts times their scales, and each row
+    against its slot's expert alone times its weight."""
     from benchmarks.kestrel_checkpoint import fp8_experts
-    from kestrel_backend.model.text import moe_mlp
+    from kestrel_backend.model.text import moe_mlp, top_experts
     from kestrel_backend.runtime import moe_kernels as mk
 
     monkeypatch.setattr(mk, "GEMV_TILES", (dict(BLOCK_N=16, BLOCK_K=64, num_warps=4),
@@ -838,6 +839,13 @@ def test_one_tokens_fp8_experts_as_gemvs_match_the_per_expert_loop(dtype, monkey
     rows = mk.moe_mlp_cuda(x.to(dtype), moe, summed=False)
     assert rows.shape == (3, 128) and rows.dtype == torch.float32 and launched == [1, 1]
     assert rel_err(rows.sum(0, keepdim=True), want) < tol
+    logits = F.linear(x.to(dtype).float(), moe.router.weight, moe.router.bias).to(dtype)  # (the router kernel's)
+    ids, weights = top_experts(logits.float(), 3, dtype)
+    for j, expert in enumerate(ids[0].tolist()):
+        fc1, fc2 = moe.expert(expert, torch.float32)
+        h, g = F.linear(x, fc1).split(96, dim=-1)
+        row = F.linear(F.gelu(h) * (g + 1.0), fc2)[0] * weights[0, j].float()
+        assert rel_err(rows[j], row) < (tol if dtype == torch.float32 else 0.1)  # (bf16: 7e-2 where a row cancels)
 
 
 @pytest.mark.parametrize("tokens, top_k, fp8", [(300, 3, False), (1400, 8, False), (1400, 8, True)])
@@ -945,6 +953,32 @@ def test_the_router_kernels_last_program_routes_as_the_route_kernel(tokens):
         got_gates, got_order, got_starts = mk.route_experts(x, moe.router, 3)
         assert torch.equal(got_gates, gates) and torch.equal(got_starts, starts)
         assert [sorted(got_order[starts[e]:starts[e + 1]].tolist()) for e in range(12)] == groups
+        assert mk._done_counter(x).item() == 0
+
+
+@pytest.mark.parametrize("experts, top_k", [(64, 8), (12, 3)])
+def test_one_tokens_top_experts_ranked_in_the_router_kernel_match_torchs_topk(experts, top_k):
+    """top_experts_of_one (the router kernel's last program ranks the token's logits at once) against torch's topk
+    and softmax: the same experts best first, equal logits in the order of their expert ids, the same weights; twice
+    in a row (its done counter back at zero)."""
+    from kestrel_backend.model.text import top_experts
+    from kestrel_backend.model.weights import Linear
+    from kestrel_backend.runtime import moe_kernels as mk
+
+    gen = torch.Generator().manual_seed(experts)
+    logits = torch.randn(experts, generator=gen).round(decimals=1)
+    logits[[1, 5, 9]] = logits.max()  # (ties at the top)
+    weight = torch.zeros(experts, 32)
+    weight[:, 0] = logits
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1.0  # (x @ weight.T = the logits)
+    want_ids, want_gates = top_experts(logits[None], top_k, torch.float32)
+    for _ in range(2):
+        ids, gates = mk.top_experts_of_one(x, Linear(weight, torch.zeros(experts)), top_k)
+        chosen = logits[ids.long()]
+        assert torch.equal(chosen, logits[want_ids[0]]) and rel_err(gates, want_gates) < 1e-6
+        tied = chosen[1:] == chosen[:-1]
+        assert tied.sum() >= 2 and (ids[1:] > ids[:-1])[tied].all()
         assert mk._done_counter(x).item() == 0
 
 

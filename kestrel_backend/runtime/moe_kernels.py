@@ -2,7 +2,8 @@
 
 One program (`_route`) takes each token's top-k experts from the router's logits and their softmax weights, and
 groups the (token, expert) pairs by expert on the device (past ONE_PROGRAM_PAIRS pairs, in long prefills: the same
-in two passes of many programs); for a few tokens it is the last program of the router's own kernel. A program of
+in two passes of many programs); for a few tokens it is the last program of the router's own kernel, which for one
+token on the FP8 GEMVs (below) only ranks its experts (`_top_k_ranked`: its k pairs need no grouping). A program of
 `_moe_up_kernel` takes one expert and one block of its inner columns and runs every pair routed to that expert
 through fc1 (tiles of 16 rows in decode steps, 128 in prefill; tensor-core dots), reading the expert's weights once
 a tile, then applies gelu(h) * (g + 1). `_moe_down_kernel` does the same through fc2 and scales each row by its
@@ -109,30 +110,39 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, order_ptr, starts_ptr, gates_ptr, 
 
 
 @triton.jit
-def _pair_expert(starts_ptr, j, E: tl.constexpr, E_P2: tl.constexpr):
-    """The expert whose run (in the pairs grouped by expert) holds position j: the number of runs ending at or
-    before it."""
-    e = tl.arange(0, E_P2)
-    ends = tl.load(starts_ptr + 1 + e, mask=e < E, other=1 << 30)
-    return tl.sum((ends <= j).to(tl.int32), 0).to(tl.int64)
+def _top_k_ranked(logits_ptr, ids_ptr, gates_ptr, E: tl.constexpr, E_P2: tl.constexpr, K: tl.constexpr,
+                  K_P2: tl.constexpr):
+    """One token's top K experts and their weights, stored as _top_k_block stores them, from each expert's rank
+    among its E logits (the others above it, or equal and of a lower id: _top_k_block's K passes give the same
+    order) worked out at once."""
+    offs_e, offs_k = tl.arange(0, E_P2), tl.arange(0, K_P2)
+    logits = tl.load(logits_ptr + offs_e, mask=offs_e < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    above = (logits[None, :] > logits[:, None]) | ((logits[None, :] == logits[:, None])
+                                                   & (offs_e[None, :] < offs_e[:, None]))
+    rank = tl.sum(above.to(tl.int32), 1)
+    at = (rank[None, :] == offs_k[:, None]) & (offs_e < E)[None, :] & (offs_k < K)[:, None]  # [K_P2, E_P2]
+    ids = tl.sum(tl.where(at, offs_e[None, :], 0), 1)
+    top = tl.where(offs_k < K, tl.sum(tl.where(at, logits[None, :], 0.0), 1), float("-inf"))
+    weights = tl.exp(top - tl.max(top, 0))  # (as _top_k's)
+    weights = weights / tl.sum(weights, 0)
+    tl.store(ids_ptr + offs_k, ids, mask=offs_k < K)
+    tl.store(gates_ptr + offs_k, weights.to(gates_ptr.dtype.element_ty), mask=offs_k < K)
 
 
 @triton.jit
-def _moe_gemv_up_kernel(x_ptr, x_stride, w1_ptr, s1_ptr, order_ptr, starts_ptr, act_ptr, K: tl.constexpr,
-                        I: tl.constexpr, E: tl.constexpr, E_P2: tl.constexpr, TOP_K: tl.constexpr,
+def _moe_gemv_up_kernel(x_ptr, w1_ptr, s1_ptr, ids_ptr, act_ptr, K: tl.constexpr, I: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_moe_up_kernel for one token's FP8 experts: a program a (pair, block of inner columns), products on the CUDA
-    cores in float32 (no 16-row tile of which 15 rows are padding), each FP8 weight widened once."""
+    """_moe_up_kernel for one token's FP8 experts: a program a (slot of its top k, block of inner columns), products
+    on the CUDA cores in float32 (no 16-row tile of which 15 rows are padding), each FP8 weight widened once."""
     j, nb = tl.program_id(0), tl.program_id(1)
-    e = _pair_expert(starts_ptr, j, E, E_P2)
-    token = (tl.load(order_ptr + j) // TOP_K).to(tl.int64)
+    e = tl.load(ids_ptr + j).to(tl.int64)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_h = w1_ptr + e * (2 * I * K) + offs_n[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     acc_h = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xs = tl.load(x_ptr + token * x_stride + k0 + offs_k).to(tl.float32)[None, :]
+        xs = tl.load(x_ptr + k0 + offs_k).to(tl.float32)[None, :]
         acc_h += tl.load(w_h + k0).to(tl.float32) * xs
         acc_g += tl.load(w_h + I * K + k0).to(tl.float32) * xs
     h = tl.sum(acc_h, 1) * tl.load(s1_ptr + e * (2 * I) + offs_n)
@@ -142,13 +152,12 @@ def _moe_gemv_up_kernel(x_ptr, x_stride, w1_ptr, s1_ptr, order_ptr, starts_ptr, 
 
 
 @triton.jit
-def _moe_gemv_down_kernel(act_ptr, w2_ptr, s2_ptr, order_ptr, starts_ptr, gates_ptr, out_ptr, N: tl.constexpr,
-                          I: tl.constexpr, E: tl.constexpr, E_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
-    """_moe_down_kernel for one token's FP8 experts, as _moe_gemv_up_kernel."""
+def _moe_gemv_down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, gates_ptr, out_ptr, N: tl.constexpr, I: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_moe_down_kernel for one token's FP8 experts, as _moe_gemv_up_kernel: row j of out is slot j's (the token's
+    pair j), times its weight."""
     j, nb = tl.program_id(0), tl.program_id(1)
-    e = _pair_expert(starts_ptr, j, E, E_P2)
-    pair = tl.load(order_ptr + j)
+    e = tl.load(ids_ptr + j).to(tl.int64)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w = w2_ptr + e * (N * I) + offs_n[:, None] * I + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
@@ -156,8 +165,8 @@ def _moe_gemv_down_kernel(act_ptr, w2_ptr, s2_ptr, order_ptr, starts_ptr, gates_
     for k0 in range(0, I, BLOCK_K):
         a = tl.load(act_ptr + j * I + k0 + offs_k).to(tl.float32)[None, :]
         acc += tl.load(w + k0).to(tl.float32) * a
-    y = tl.sum(acc, 1) * tl.load(s2_ptr + e * N + offs_n) * tl.load(gates_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + pair.to(tl.int64) * N + offs_n, y)
+    y = tl.sum(acc, 1) * tl.load(s2_ptr + e * N + offs_n) * tl.load(gates_ptr + j).to(tl.float32)
+    tl.store(out_ptr + j * N + offs_n, y)
 
 
 @triton.jit
@@ -167,8 +176,8 @@ def _router_kernel(x_ptr, x_stride, w_ptr, b_ptr, out_ptr, T, K: tl.constexpr, E
                    BINS: tl.constexpr, ROUTE_BLOCK_T: tl.constexpr):
     """The router's logits of a few tokens, one program an expert (cuBLAS runs this 64 x 2048 product in one
     block: 5.1 us at batch 1 against 3.0; the decode step of one token 1.596 against 1.614 ms). ROUTE: the last
-    program to finish then routes the step (_route) and sets the done counter back to zero: a launch less on the
-    decode step's critical path."""
+    program to finish then routes the step (_route; ROUTE 2, one token: only its top k, _top_k_ranked) and sets the
+    done counter back to zero: a launch less on the decode step's critical path."""
     e = tl.program_id(0)
     offs_t = tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
@@ -186,8 +195,11 @@ def _router_kernel(x_ptr, x_stride, w_ptr, b_ptr, out_ptr, T, K: tl.constexpr, E
         tl.debug_barrier()  # every thread's logits are stored before the count says so
         if tl.atomic_add(done_ptr, 1, sem="acq_rel") == E - 1:
             tl.store(done_ptr, 0)
-            _route(out_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E, E_P2, TOP_K, K_P2, BINS,
-                   ROUTE_BLOCK_T)
+            if ROUTE == 2:
+                _top_k_ranked(out_ptr, ids_ptr, gates_ptr, E, E_P2, TOP_K, K_P2)
+            else:
+                _route(out_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E, E_P2, TOP_K, K_P2, BINS,
+                       ROUTE_BLOCK_T)
 
 
 @triton.jit
@@ -408,19 +420,33 @@ def _router_kernel_takes(x: torch.Tensor) -> bool:
 def route_experts(x: torch.Tensor, router, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route_and_group(router_logits(x, ...), top_k, x.dtype)'s result; up to ROUTER_KERNEL_TOKENS tokens in one
     launch (the router kernel's last program routes)."""
+    if not _router_kernel_takes(x) or x.shape[0] * top_k > ONE_PROGRAM_PAIRS:
+        return route_and_group(router_logits(x, router.weight, router.bias), top_k, x.dtype)
+    r = _route_in_router_kernel(x, router, top_k, _Routing.empty(x.shape[0], router.weight.shape[0], top_k, x.dtype,
+                                                                x.device))
+    return r.gates, r.order, r.starts
+
+
+def top_experts_of_one(x: torch.Tensor, router, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's top_k experts best first [top_k] int32 and their weights [1, top_k] (text.top_experts' values),
+    in one launch (the router kernel's last program ranks the logits; no grouping: each is a pair of its own)."""
+    assert _router_kernel_takes(x) and x.shape[0] == 1
+    r = _route_in_router_kernel(x, router, top_k, _Routing.empty(1, router.weight.shape[0], top_k, x.dtype, x.device),
+                                ranked=True)
+    return r.ids, r.gates
+
+
+def _route_in_router_kernel(x: torch.Tensor, router, top_k: int, r: "_Routing", ranked: bool = False) -> "_Routing":
     t, d = x.shape
     n_experts = router.weight.shape[0]
-    if not _router_kernel_takes(x) or t * top_k > ONE_PROGRAM_PAIRS:
-        return route_and_group(router_logits(x, router.weight, router.bias), top_k, x.dtype)
     logits = torch.empty(t, n_experts, device=x.device, dtype=x.dtype)
-    r = _Routing.empty(t, n_experts, top_k, x.dtype, x.device)
     route = _route_constants(t, n_experts, top_k)
     _router_kernel[(n_experts,)](x, x.stride(0), router.weight, router.bias, logits, t, d, n_experts,
-                                 **_router_tiles(t, d), ROUTE=True, done_ptr=_done_counter(x), ids_ptr=r.ids,
-                                 gates_ptr=r.gates, starts_ptr=r.starts, fill_ptr=r.fill, order_ptr=r.order,
-                                 E_P2=route["E_P2"], TOP_K=top_k, K_P2=route["K_P2"], BINS=route["BINS"],
-                                 ROUTE_BLOCK_T=route["BLOCK_T"])
-    return r.gates, r.order, r.starts
+                                 **_router_tiles(t, d), ROUTE=2 if ranked else 1, done_ptr=_done_counter(x),
+                                 ids_ptr=r.ids, gates_ptr=r.gates, starts_ptr=r.starts, fill_ptr=r.fill,
+                                 order_ptr=r.order, E_P2=route["E_P2"], TOP_K=top_k, K_P2=route["K_P2"],
+                                 BINS=route["BINS"], ROUTE_BLOCK_T=route["BLOCK_T"])
+    return r
 
 
 def _done_counter(x: torch.Tensor) -> torch.Tensor:
@@ -499,7 +525,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
         return F.linear(x, weight, bias)
     out = torch.empty(t, weight.shape[0], device=x.device, dtype=x.dtype)
     _router_kernel[(weight.shape[0],)](x, x.stride(0), weight, bias, out, t, d, weight.shape[0], **_router_tiles(t, d),
-                                       ROUTE=False, done_ptr=out, ids_ptr=out, gates_ptr=out, starts_ptr=out,
+                                       ROUTE=0, done_ptr=out, ids_ptr=out, gates_ptr=out, starts_ptr=out,
                                        fill_ptr=out, order_ptr=out, E_P2=1, TOP_K=1, K_P2=1, BINS=1, ROUTE_BLOCK_T=1)
     return out
 
@@ -608,18 +634,23 @@ def _grouped_gemm_pays(x: torch.Tensor, pairs: int) -> bool:
 
 def add_moe_mlp(out: torch.Tensor, x: torch.Tensor, moe: MoE, bias: torch.Tensor) -> None:
     """out += bias + the expert MLP of x, in place (in long prefills inside the kernel that sums each token's rows)."""
+    if not _grouped_gemm_pays(x, x.shape[0] * moe.top_k):
+        out.add_(moe_mlp_cuda(x, moe)).add_(bias)
+        return
     gates, order, starts = route_experts(x, moe.router, moe.top_k)
-    if _grouped_gemm_pays(x, x.shape[0] * moe.top_k):
-        _moe_mlp_grouped(x, gates, order, starts, moe, out, bias)
-    else:
-        out.add_(_moe_mlp_routed(x, moe, gates, order, starts)).add_(bias)
+    _moe_mlp_grouped(x, gates, order, starts, moe, out, bias)
 
 
 def moe_mlp_cuda(x: torch.Tensor, moe: MoE, summed: bool = True) -> torch.Tensor:
     """[T, dim] -> [T, dim]: text.moe_mlp's result, computed as grouped work over the experts. summed=False: each
     token's top_k weighted expert rows instead, [T * top_k, dim] float32 (residual_norm sums them)."""
-    gates, order, starts = route_experts(x, moe.router, moe.top_k)
-    if summed and _grouped_gemm_pays(x, x.shape[0] * moe.top_k):
+    t, top_k = x.shape[0], moe.top_k
+    fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, t)
+    if _gemv_takes(t, fc1_scale is not None, x.shape[1], fc1.shape[1] // 2) and _router_kernel_takes(x):
+        out = _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, *top_experts_of_one(x, moe.router, top_k))
+        return out.sum(0, keepdim=True).to(x.dtype) if summed else out
+    gates, order, starts = route_experts(x, moe.router, top_k)
+    if summed and _grouped_gemm_pays(x, t * top_k):
         return _moe_mlp_grouped(x, gates, order, starts, moe)
     return _moe_mlp_routed(x, moe, gates, order, starts, summed)
 
@@ -636,9 +667,6 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, gates: torch.Tensor, order: torch
     assert x.stride(1) == 1
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(pairs, d, device=x.device, dtype=torch.float32)
-    if _gemv_takes(t, scaled, d, inner):
-        _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, gates, order, starts, act, out, top_k)
-        return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
     up, down = _tiles(t, x.dtype, scaled)
     assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)
@@ -665,12 +693,13 @@ def _gemv_takes(tokens: int, scaled: bool, dim: int, inner: int) -> bool:
             and dim % up["BLOCK_K"] == 0 and dim % down["BLOCK_N"] == 0 and inner % down["BLOCK_K"] == 0)
 
 
-def _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, gates, order, starts, act, out, top_k: int) -> None:
-    """One token's expert MLP over its FP8 experts into out [k, dim] float32 (each pair's row times its gate)."""
-    n_experts, pairs, inner, d = fc1.shape[0], order.numel(), act.shape[1], out.shape[1]
+def _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, ids, gates) -> torch.Tensor:
+    """One token's expert MLP over its FP8 experts (ids [k] best first, their weights: top_experts_of_one) -> [k,
+    dim] float32, each slot's row times its weight."""
+    inner, d, top_k = fc1.shape[1] // 2, fc1.shape[2], ids.numel()
+    act = torch.empty(top_k, inner, device=x.device, dtype=x.dtype)
+    out = torch.empty(top_k, d, device=x.device, dtype=torch.float32)
     up, down = GEMV_TILES
-    e_p2 = triton.next_power_of_2(n_experts)
-    _moe_gemv_up_kernel[(pairs, inner // up["BLOCK_N"])](x, x.stride(0), fc1, fc1_scale, order, starts, act, K=d,
-                                                          I=inner, E=n_experts, E_P2=e_p2, TOP_K=top_k, **up)
-    _moe_gemv_down_kernel[(pairs, d // down["BLOCK_N"])](act, fc2, fc2_scale, order, starts, gates.reshape(-1), out,
-                                                          N=d, I=inner, E=n_experts, E_P2=e_p2, **down)
+    _moe_gemv_up_kernel[(top_k, inner // up["BLOCK_N"])](x, fc1, fc1_scale, ids, act, K=d, I=inner, **up)
+    _moe_gemv_down_kernel[(top_k, d // down["BLOCK_N"])](act, fc2, fc2_scale, ids, gates, out, N=d, I=inner, **down)
+    return out
