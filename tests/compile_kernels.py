@@ -149,6 +149,8 @@ def launch_everything(capability: int) -> None:
         for t in (1, 8, 64, 256):
             for experts in kinds:
                 mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), experts)
+        for t in (16, 64):  # (a prefill graph's: only its real rows routed)
+            mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), kinds[-1], valid=torch.ones(1, dtype=torch.int32))
         if capability >= 89:
             mk.widened(fp8_experts.fc2, fp8_experts.fc2_scale, torch.bfloat16)
         pairs = 1024 * moe.n_experts_per_tok  # (the grouped GEMM path of long prefills: the kernels of our own)

@@ -938,6 +938,27 @@ def test_route_kernel_picks_the_top_experts_and_groups_the_pairs(tokens, experts
     assert tied.any() and (ids[:, 1:] > ids[:, :-1])[tied].all()
 
 
+@pytest.mark.parametrize("tokens, valid", [(40, 27), (12, 5)])
+def test_routing_takes_only_the_valid_leading_tokens(tokens, valid):
+    """With a device count of valid tokens (a prefill graph's real rows), the route kernel (40 tokens) and the
+    router kernel's last program (12) group the pairs of those tokens only, as routing them alone does: the padded
+    tokens, NaN here, choose no expert (pair count valid * k), their gates left unwritten."""
+    from kestrel_backend.runtime import moe_kernels as mk
+
+    gen = torch.Generator().manual_seed(tokens)
+    moe = random_moe(gen, dim=96, inner=80, experts=12, top_k=3)
+    x = torch.randn(tokens, 96, generator=gen)
+    x[valid:] = float("nan")
+    count = torch.tensor([valid], dtype=torch.int32)
+    gates, order, starts = mk.route_and_group(mk.router_logits(x[:valid], moe.router.weight, moe.router.bias), 3,
+                                              x.dtype)
+    groups = [sorted(order[starts[e]:starts[e + 1]].tolist()) for e in range(12)]
+    got_gates, got_order, got_starts = mk.route_experts(x, moe.router, 3, count)
+    assert torch.equal(got_starts, starts) and starts[-1] == 3 * valid
+    assert torch.equal(got_gates[:valid], gates)
+    assert [sorted(got_order[starts[e]:starts[e + 1]].tolist()) for e in range(12)] == groups
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 16])
 def test_the_router_kernels_last_program_routes_as_the_route_kernel(tokens):
     """route_experts (the router's logits, then in the same launch its last program's routing) gives the gates and

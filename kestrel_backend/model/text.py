@@ -124,7 +124,8 @@ def embed_tokens(ids: torch.Tensor, w: TextWeights) -> torch.Tensor:
 def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: TextConfig,
            rope: torch.Tensor, attention: Attention, lora: LoraRows | None = None) -> torch.Tensor:
     """Run all blocks over x [T, dim] (tokens of one or many sequences) -> hidden [T, dim]. lora: the rows
-    that add an adapter's deltas, if any."""
+    that add an adapter's deltas, if any. An attention with valid_rows (a device int32 [1]: a prefill graph's) has
+    only that many leading rows route to experts: its padded rows take none (moe_kernels.add_moe_mlp)."""
     n = x.shape[0]
     cos, sin = rope[positions, :, 0], rope[positions, :, 1]  # gathered once per step, not per layer
     for i, block in enumerate(w.blocks):
@@ -147,7 +148,7 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
             if block.moe is not None:
                 from ..runtime.moe_kernels import add_moe_mlp
 
-                add_moe_mlp(x, h, block.moe, block.out_bias)
+                add_moe_mlp(x, h, block.moe, block.out_bias, getattr(attention, "valid_rows", None))
             else:
                 x.addmm_(mlp_hidden(h, block.mlp), dense(block.mlp.fc2.weight).t()).add_(block.out_bias)
         else:

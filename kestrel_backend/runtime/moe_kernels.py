@@ -173,11 +173,12 @@ def _moe_gemv_down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, gates_ptr, out_ptr, 
 def _router_kernel(x_ptr, x_stride, w_ptr, b_ptr, out_ptr, T, K: tl.constexpr, E: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr, done_ptr, ids_ptr, gates_ptr,
                    starts_ptr, fill_ptr, order_ptr, E_P2: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
-                   BINS: tl.constexpr, ROUTE_BLOCK_T: tl.constexpr):
+                   BINS: tl.constexpr, ROUTE_BLOCK_T: tl.constexpr, valid_ptr=None, VALID: tl.constexpr = False):
     """The router's logits of a few tokens, one program an expert (cuBLAS runs this 64 x 2048 product in one
     block: 5.1 us at batch 1 against 3.0; the decode step of one token 1.596 against 1.614 ms). ROUTE: the last
     program to finish then routes the step (_route; ROUTE 2, one token: only its top k, _top_k_ranked) and sets the
-    done counter back to zero: a launch less on the decode step's critical path."""
+    done counter back to zero: a launch less on the decode step's critical path. VALID: only the first valid_ptr[0]
+    tokens are routed (_valid_tokens)."""
     e = tl.program_id(0)
     offs_t = tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
@@ -198,8 +199,8 @@ def _router_kernel(x_ptr, x_stride, w_ptr, b_ptr, out_ptr, T, K: tl.constexpr, E
             if ROUTE == 2:
                 _top_k_ranked(out_ptr, ids_ptr, gates_ptr, E, E_P2, TOP_K, K_P2)
             else:
-                _route(out_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E, E_P2, TOP_K, K_P2, BINS,
-                       ROUTE_BLOCK_T)
+                _route(out_ptr, _valid_tokens(T, valid_ptr, VALID), ids_ptr, gates_ptr, starts_ptr, fill_ptr,
+                       order_ptr, E, E_P2, TOP_K, K_P2, BINS, ROUTE_BLOCK_T)
 
 
 @triton.jit
@@ -286,8 +287,19 @@ def _combine_kernel(y_ptr, where_ptr, gates_ptr, out_ptr, bias_ptr, N: tl.conste
 
 @triton.jit
 def _route_kernel(logits_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E: tl.constexpr,
-                  E_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr):
-    _route(logits_ptr, T, ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E, E_P2, K, K_P2, BINS, BLOCK_T)
+                  E_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr,
+                  valid_ptr=None, VALID: tl.constexpr = False):
+    _route(logits_ptr, _valid_tokens(T, valid_ptr, VALID), ids_ptr, gates_ptr, starts_ptr, fill_ptr, order_ptr, E,
+           E_P2, K, K_P2, BINS, BLOCK_T)
+
+
+@triton.jit
+def _valid_tokens(T, valid_ptr, VALID: tl.constexpr):
+    """The tokens to route: all T, or with VALID the first valid_ptr[0] of them (a prefill graph's real rows: its
+    padded ones, whatever they hold, then choose no expert, so no expert's tiles grow with them)."""
+    if VALID:
+        return tl.minimum(T, tl.load(valid_ptr))
+    return T
 
 
 @triton.jit
@@ -371,15 +383,16 @@ ONE_PROGRAM_PAIRS = 4096  # up to this many pairs (decode steps) one program rou
 ROUTE_BLOCK_T = 64  # tokens a program of the first pass
 
 
-def route_and_group(logits: torch.Tensor, top_k: int, dtype: torch.dtype):
+def route_and_group(logits: torch.Tensor, top_k: int, dtype: torch.dtype, valid: torch.Tensor | None = None):
     """Router logits [T, E] -> (each token's top_k expert weights [T, k] in dtype, the (token, slot) pairs grouped
     by expert: pair indices (token * k + slot) in that order, and where each expert's run starts ([E + 1], the
-    last is the pair count)). On the device, no sync."""
+    last is the pair count)). On the device, no sync. valid: a device int32 [1], the count of leading tokens to
+    route (_valid_tokens; up to ONE_PROGRAM_PAIRS pairs: past that every token is routed)."""
     t, n_experts = logits.shape
     pairs = t * top_k
     r = _Routing.empty(t, n_experts, top_k, dtype, logits.device)
     if pairs <= ONE_PROGRAM_PAIRS:
-        _route_kernel[(1,)](logits, t, *r, **_route_constants(t, n_experts, top_k), num_warps=4)
+        _route_kernel[(1,)](logits, t, *r, **_route_constants(t, n_experts, top_k), **_valid_args(valid), num_warps=4)
         return r.gates, r.order, r.starts
     counters = torch.zeros(2, n_experts, dtype=torch.int32, device=logits.device)  # (counts, fill)
     constants = _route_constants(ROUTE_BLOCK_T, n_experts, top_k)
@@ -417,13 +430,14 @@ def _router_kernel_takes(x: torch.Tensor) -> bool:
     return x.shape[0] <= ROUTER_KERNEL_TOKENS and x.stride(1) == 1
 
 
-def route_experts(x: torch.Tensor, router, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """route_and_group(router_logits(x, ...), top_k, x.dtype)'s result; up to ROUTER_KERNEL_TOKENS tokens in one
-    launch (the router kernel's last program routes)."""
+def route_experts(x: torch.Tensor, router, top_k: int,
+                  valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """route_and_group(router_logits(x, ...), top_k, x.dtype, valid)'s result; up to ROUTER_KERNEL_TOKENS tokens in
+    one launch (the router kernel's last program routes)."""
     if not _router_kernel_takes(x) or x.shape[0] * top_k > ONE_PROGRAM_PAIRS:
-        return route_and_group(router_logits(x, router.weight, router.bias), top_k, x.dtype)
+        return route_and_group(router_logits(x, router.weight, router.bias), top_k, x.dtype, valid)
     r = _route_in_router_kernel(x, router, top_k, _Routing.empty(x.shape[0], router.weight.shape[0], top_k, x.dtype,
-                                                                x.device))
+                                                                x.device), valid=valid)
     return r.gates, r.order, r.starts
 
 
@@ -436,7 +450,8 @@ def top_experts_of_one(x: torch.Tensor, router, top_k: int) -> tuple[torch.Tenso
     return r.ids, r.gates
 
 
-def _route_in_router_kernel(x: torch.Tensor, router, top_k: int, r: "_Routing", ranked: bool = False) -> "_Routing":
+def _route_in_router_kernel(x: torch.Tensor, router, top_k: int, r: "_Routing", ranked: bool = False,
+                            valid: torch.Tensor | None = None) -> "_Routing":
     t, d = x.shape
     n_experts = router.weight.shape[0]
     logits = torch.empty(t, n_experts, device=x.device, dtype=x.dtype)
@@ -445,8 +460,12 @@ def _route_in_router_kernel(x: torch.Tensor, router, top_k: int, r: "_Routing", 
                                  **_router_tiles(t, d), ROUTE=2 if ranked else 1, done_ptr=_done_counter(x),
                                  ids_ptr=r.ids, gates_ptr=r.gates, starts_ptr=r.starts, fill_ptr=r.fill,
                                  order_ptr=r.order, E_P2=route["E_P2"], TOP_K=top_k, K_P2=route["K_P2"],
-                                 BINS=route["BINS"], ROUTE_BLOCK_T=route["BLOCK_T"])
+                                 BINS=route["BINS"], ROUTE_BLOCK_T=route["BLOCK_T"], **_valid_args(valid))
     return r
+
+
+def _valid_args(valid: torch.Tensor | None) -> dict:
+    return dict(valid_ptr=valid, VALID=valid is not None)
 
 
 def _done_counter(x: torch.Tensor) -> torch.Tensor:
@@ -632,25 +651,31 @@ def _grouped_gemm_pays(x: torch.Tensor, pairs: int) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
-def add_moe_mlp(out: torch.Tensor, x: torch.Tensor, moe: MoE, bias: torch.Tensor) -> None:
-    """out += bias + the expert MLP of x, in place (in long prefills inside the kernel that sums each token's rows)."""
+def add_moe_mlp(out: torch.Tensor, x: torch.Tensor, moe: MoE, bias: torch.Tensor,
+                valid: torch.Tensor | None = None) -> None:
+    """out += bias + the expert MLP of x, in place (in long prefills inside the kernel that sums each token's rows).
+    valid: a device int32 [1], the count of leading rows that matter (a prefill graph's real rows): on the expert
+    kernels' path only those are routed (route_and_group), the rows past them come out as anything; the grouped
+    GEMM's path (long prefills: a few padded rows among hundreds) takes every row's pairs."""
     if not _grouped_gemm_pays(x, x.shape[0] * moe.top_k):
-        out.add_(moe_mlp_cuda(x, moe)).add_(bias)
+        out.add_(moe_mlp_cuda(x, moe, valid=valid)).add_(bias)
         return
     gates, order, starts = route_experts(x, moe.router, moe.top_k)
     _moe_mlp_grouped(x, gates, order, starts, moe, out, bias)
 
 
-def moe_mlp_cuda(x: torch.Tensor, moe: MoE, summed: bool = True) -> torch.Tensor:
+def moe_mlp_cuda(x: torch.Tensor, moe: MoE, summed: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
     """[T, dim] -> [T, dim]: text.moe_mlp's result, computed as grouped work over the experts. summed=False: each
-    token's top_k weighted expert rows instead, [T * top_k, dim] float32 (residual_norm sums them)."""
+    token's top_k weighted expert rows instead, [T * top_k, dim] float32 (residual_norm sums them). valid: as
+    add_moe_mlp's."""
     t, top_k = x.shape[0], moe.top_k
     fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, t)
     if _gemv_takes(t, fc1_scale is not None, x.shape[1], fc1.shape[1] // 2) and _router_kernel_takes(x):
         out = _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, *top_experts_of_one(x, moe.router, top_k))
         return out.sum(0, keepdim=True).to(x.dtype) if summed else out
-    gates, order, starts = route_experts(x, moe.router, top_k)
-    if summed and _grouped_gemm_pays(x, t * top_k):
+    grouped = summed and _grouped_gemm_pays(x, t * top_k)
+    gates, order, starts = route_experts(x, moe.router, top_k, None if grouped else valid)
+    if grouped:
         return _moe_mlp_grouped(x, gates, order, starts, moe)
     return _moe_mlp_routed(x, moe, gates, order, starts, summed)
 

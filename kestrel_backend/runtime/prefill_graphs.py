@@ -6,8 +6,11 @@ its pace (H100, one sequence of 742 tokens: 6.2 ms for 3.9 ms of GPU work; a req
 prefix, 22 rows, is about 2 ms of GPU work). Under load a step prefills one sequence (requests arrive as
 others end) or a burst of them. The graph runs the same forward over the step's sequences, their rows packed
 one after another and padded to a multiple of BUCKET; the padded rows are computed and dropped (the attention
-kernel's work items cover the real rows only: they are neither attended to nor stored). The LM head runs over
-as many last rows as the bucket has sequences; those of absent sequences are dropped."""
+kernel's work items cover the real rows only: they are neither attended to nor stored). Moondream 3's experts take
+the real rows only (moe_kernels.add_moe_mlp's valid): padded rows, holding stale or uninitialised values, chose
+experts of their own, and NaN rows all the same ones, whose tiles then ran long (H100, a question of 20 rows on a
+cached prefix: 6.2 ms with finite padded rows, 13.8 with NaN ones, 5.3 either way now; question_prefill.py). The LM
+head runs over as many last rows as the bucket has sequences; those of absent sequences are dropped."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from .cuda_graphs import CapturedGraphs
 from .kv_cache import PagedKVCache
 
 BUCKET = 64  # rows: a multiple of the attention kernel's query tile
+ROUTE_REAL_ROWS_ONLY = True  # Moondream 3: the padded rows choose no experts (benchmarks compare without)
 MAX_ROWS = 2048  # rows of the longest graph (Moondream 2's whole context): longer steps (long Moondream 3 prompts,
 #                  compute-bound) run eagerly, where one graph per 64 rows up to 32k would hold tens of GB
 
@@ -30,6 +34,7 @@ class _BucketAttention:
 
     def __init__(self, owner: "PrefillGraphs", rows: int, items: int):
         self.owner, self.rows, self.items = owner, rows, items
+        self.valid_rows = owner.valid if ROUTE_REAL_ROWS_ONLY else None  # (the step's real rows)
 
     def __call__(self, layer: int, q, k, v):
         o = self.owner
@@ -68,6 +73,7 @@ class PrefillGraphs:
         self.one_rows_packed = torch.full((self.one_rows.size(seqs),), -1, device=dev, dtype=torch.int32)
         self.one_row_views = self.one_rows.views(self.one_rows_packed, seqs)
         self.last = torch.zeros(seqs, device=dev, dtype=torch.long)
+        self.valid = torch.zeros(1, device=dev, dtype=torch.int32)  # the step's real rows (see run)
         self.logits = torch.zeros(seqs, model.config.text.vocab_size, device=dev, dtype=torch.float32)
         self.hidden = torch.zeros(seqs, model.config.text.dim, device=dev, dtype=model.dtype)
         self.graphs = CapturedGraphs()  # by (rows, sequence bucket)
@@ -116,6 +122,7 @@ class PrefillGraphs:
         self.work[:work.numel()].copy_(to_device(work, torch.int32, self.work.device))
         self.last[:len(slices)].copy_(to_device([s.end - 1 for s in slices], self.last.dtype, self.last.device))
         self.last[len(slices):seqs].zero_()
+        self.valid.fill_(used)
         if self.x.is_cuda:
             self._graph(rows, seqs).replay()
         else:
