@@ -121,9 +121,9 @@ def _top_k_ranked(logits_ptr, ids_ptr, gates_ptr, E: tl.constexpr, E_P2: tl.cons
                                                    & (offs_e[None, :] < offs_e[:, None]))
     rank = tl.sum(above.to(tl.int32), 1)
     at = (rank[None, :] == offs_k[:, None]) & (offs_e < E)[None, :] & (offs_k < K)[:, None]  # [K_P2, E_P2]
-    ids = tl.sum(tl.where(at, offs_e[None, :], 0), 1)
+    ids = tl.minimum(tl.sum(tl.where(at, offs_e[None, :], 0), 1), E - 1)  # (NaN logits share a rank: still an expert)
     top = tl.where(offs_k < K, tl.sum(tl.where(at, logits[None, :], 0.0), 1), float("-inf"))
-    weights = tl.exp(top - tl.max(top, 0))  # (as _top_k's)
+    weights = tl.exp(top - tl.max(top, 0))  # (as _top_k_block's)
     weights = weights / tl.sum(weights, 0)
     tl.store(ids_ptr + offs_k, ids, mask=offs_k < K)
     tl.store(gates_ptr + offs_k, weights.to(gates_ptr.dtype.element_ty), mask=offs_k < K)
