@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..runtime.moe_kernels import exact_gelu
+
 TOKENS_PER_PROGRAM = 4
 
 
@@ -74,7 +76,7 @@ def _tau_rows_kernel(qkv_ptr, w_ptr, alpha_ptr, pos_ptr, out_ptr, row_stride, N_
         for k0 in tl.static_range(0, QKV_DIM, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(qkv_ptr + t * row_stride + offs).to(tl.float32)
-            g = (0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))).to(dtype).to(tl.float32)  # exact GELU
+            g = exact_gelu(x).to(dtype).to(tl.float32)
             acc += g * tl.load(w_row + offs).to(tl.float32)
         lin = tl.sum(acc, 0).to(dtype).to(tl.float32)
         scale = _scale(lin, _by_position(tl.load(alpha_ptr + h), tl.load(pos_ptr + t)), dtype)

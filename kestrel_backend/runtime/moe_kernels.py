@@ -46,9 +46,15 @@ def _pair_rows(order_ptr, r0, end, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def exact_gelu(x):
+    """The exact (erf) GELU of float32 values, as torch's F.gelu."""
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
 def _gated_gelu(h, g):
     """gelu(h) * (g + 1) in float32, the exact (erf) GELU."""
-    return 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476)) * (g + 1.0)
+    return exact_gelu(h) * (g + 1.0)
 
 
 @triton.jit
