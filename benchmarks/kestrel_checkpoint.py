@@ -66,6 +66,26 @@ def fp8_experts(moe: MoE) -> MoE:
     return dataclasses.replace(moe, fc1=fc1, fc2=fc2, fc1_scale=fc1_scale, fc2_scale=fc2_scale)
 
 
+def fp8_experts_beside_widened(moe: MoE) -> MoE:
+    """fp8_experts(moe) with the widened experts kept beside them, as KESTREL_FP8_EXPERTS=both keeps them."""
+    return dataclasses.replace(fp8_experts(moe), fc1_wide=moe.fc1, fc2_wide=moe.fc2)
+
+
+def random_moondream3_fp8_both():
+    """Moondream 3 with FULL-SIZE random bf16 weights on the GPU, its experts as KESTREL_FP8_EXPERTS=both keeps
+    them (fp8_experts_beside_widened)."""
+    from kestrel_backend.model.config import MoondreamConfig
+    from kestrel_backend.model.moondream import Moondream
+    from kestrel_backend.model.weights import random_weights
+
+    config = MoondreamConfig.official("moondream3")
+    weights = random_weights(config, dtype=torch.bfloat16, device="cuda")
+    for block in weights.text.blocks:
+        if block.moe is not None:
+            block.moe = fp8_experts_beside_widened(block.moe)
+    return Moondream(config, weights)
+
+
 def to_kestrel_layout(state: dict[str, torch.Tensor], n_layers: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Current-layout tensors -> Kestrel's (on device, one tensor at a time, so a full-size state converts on a GPU
     and lands in host memory once)."""

@@ -8,17 +8,15 @@ the experts in FP8 beside widened copies (KESTREL_FP8_EXPERTS=both), the engine'
 experts and W8A8 (moe_kernels.W8A8_PREFILL), the profile with W8A8.
 """
 
-import dataclasses
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import fresh_queries, text_weight_bytes  # noqa: E402
-from benchmarks.kestrel_checkpoint import fp8_experts  # noqa: E402
+from benchmarks.kestrel_checkpoint import fp8_experts_beside_widened  # noqa: E402
 from kestrel_backend.runtime import moe_kernels  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
@@ -35,8 +33,7 @@ def main(n: int = 16, family: str = "moondream2", experts: str = "bf16", prompt:
     if experts == "fp8":
         for block in weights.text.blocks:
             if block.moe is not None:
-                block.moe = dataclasses.replace(fp8_experts(block.moe), fc1_wide=block.moe.fc1,
-                                                fc2_wide=block.moe.fc2)
+                block.moe = fp8_experts_beside_widened(block.moe)
     model = Moondream(config, weights)
     cache = PagedKVCache(config.text, n * 64, 16, "cuda", torch.bfloat16)
     length = 730 + prompt

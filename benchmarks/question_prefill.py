@@ -8,7 +8,6 @@ GPU only.
 """
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -17,10 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import timed  # noqa: E402
-from benchmarks.kestrel_checkpoint import fp8_experts  # noqa: E402
-from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
-from kestrel_backend.model.moondream import Moondream  # noqa: E402
-from kestrel_backend.model.weights import random_weights  # noqa: E402
+from benchmarks.kestrel_checkpoint import random_moondream3_fp8_both  # noqa: E402
 from kestrel_backend.runtime import prefill_graphs  # noqa: E402
 from kestrel_backend.runtime.attention import SeqSlice  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
@@ -32,12 +28,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out")
     args = p.parse_args()
-    config = MoondreamConfig.official("moondream3")
-    weights = random_weights(config, dtype=torch.bfloat16, device="cuda")
-    for block in weights.text.blocks:
-        if block.moe is not None:
-            block.moe = dataclasses.replace(fp8_experts(block.moe), fc1_wide=block.moe.fc1, fc2_wide=block.moe.fc2)
-    model = Moondream(config, weights)
+    model = random_moondream3_fp8_both()
+    config = model.config
     cache = PagedKVCache(config.text, 256, 16, "cuda", torch.bfloat16)
     cache.allocate(0, PREFIX + QUESTION + 64)
     x = torch.randn(QUESTION, config.text.dim, device="cuda", dtype=torch.bfloat16)
