@@ -789,6 +789,16 @@ def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back
         assert s._admit() == [] and list(s.waiting)[0].id == 200  # (held back while the step is in flight)
         text = [TextGeneration(engine.model.config.tokenizer, Settings.from_dict({"temperature": 0, "max_tokens": 9}))
                 for _ in seqs]
+        for seq, gen in zip(seqs, text):  # every running sequence takes its last (9th) token in the step in flight:
+            seq.generation, gen.tokens = gen, [1] * 8  # no step after it to join, so the waiting request is admitted
+        admitted = s._admit()  # now (its prefill runs right after that step on the GPU)
+        assert [seq.id for seq in admitted] == [200] and not s.waiting
+        assert [seq.id for seq in s.running] == [100, 101, 102, 200]
+        s.running.remove(admitted[0])  # (s.running is seqs)
+        s.cache.free(200)
+        s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))  # (waiting again)
+        for gen in text:
+            gen.tokens = []
         for seq, gen in zip(seqs, text):
             seq.generation = gen
         choices = [seq.generation.choice() for seq in seqs]

@@ -290,14 +290,17 @@ class Scheduler:
         admit_group, while more wait than there are free slots, none is admitted until that many slots are free."""
         new, deferred, prefilling, encoding = [], [], set(), set()
         spent, ahead = 0, self._encodes_ahead()
-        if self._ahead is not None and any(seq.id in self._ahead[0] for seq in self.running):
+        leaving = sum(not seq.generation.may_continue_after_next_token() for seq in self.running)
+        if self._ahead is not None and leaving < len(self.running) and any(
+                seq.id in self._ahead[0] for seq in self.running):
             # this step's decode was launched last step: requests join the next one, in its prefill forward (mixed),
             # rather than in one of their own (a forward reads every weight: every expert of a mixture)
             # (nor prefixes ahead, which would be a forward of their own, nor images encoded further ahead than
-            # the next two requests' in this step: the GPU's queue holds the next decode step already)
+            # the next two requests' in this step: the GPU's queue holds the next decode step already). Unless every
+            # running sequence takes its last token in it: then there is no next step to join, and a prefill
+            # launched now runs right after it on the GPU, not after the host has read its tokens.
             self._spent, self._slots_full = 0, False
             return []
-        leaving = sum(not seq.generation.may_continue_after_next_token() for seq in self.running)
         free = self.max_batch_size - (len(self.running) - leaving)
         if self.running and free < min(self.admit_group, len(self.waiting)):
             self._spent, self._slots_full = 0, True  # (the budget goes to encoding waiting images ahead)
