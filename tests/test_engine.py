@@ -758,8 +758,9 @@ def test_no_step_is_launched_ahead_for_sequences_ending_with_this_steps_token(en
 def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back_new_ones(engine):
     """A decode step launched before the last step's tokens were read computed these sequences' inputs: used whole
     when it holds exactly them, its rows of theirs when others have ended since (a stop token, a cancel), dropped
-    when any input differs. While it is in flight, waiting requests join the step after (mixed), not this one, and
-    none is launched ahead while a waiting request has a free slot (it would wait on)."""
+    when any input differs. While it is in flight, waiting requests join the step after (mixed), not this one, unless
+    every running sequence takes its last token in it (no step after it to join), and none is launched ahead while a
+    waiting request has a free slot (it would wait on)."""
     from kestrel_backend.runtime.scheduler import RowsOf
     from kestrel_backend.skills.generation import TextGeneration
     from kestrel_backend.skills.settings import Settings
