@@ -818,7 +818,7 @@ def test_fp8_experts_with_widened_copies_are_read_as_fp8_only_in_decode_steps(to
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_tokens_fp8_experts_as_gemvs_match_the_per_expert_loop(dtype, monkeypatch):
     """A decode step of one row over FP8 experts: a program a (slot of the token's top k, block of columns), the
-    slot's expert and weight picked in the program from the router's logits; the MLP and each pair's weighted row
+    token's top k and their weights ranked by the router kernel's last program; the MLP and each pair's weighted row
     (summed=False, as the decode step takes them) against the loop over the experts times their scales, and each row
     against its slot's expert alone times its weight."""
     from benchmarks.kestrel_checkpoint import fp8_experts
