@@ -13,6 +13,11 @@ time of the encodes, prefills and decode steps (CUDA events around their launche
 top kernels, the engine thread's CPU time against the wall time (time spent waiting: for the GPU, the GIL or a CPU),
 and with --timeline-ms the burst's first operations one by one (which showed the engine thread starved of CPU
 time by the image decode pool).
+
+--light runs the burst without the profiler (whose cost per op and per graph launch, CUPTI's included, changes a
+batch-1 burst, whose pace the engine thread sets between steps) and times the engine thread's main functions with
+perf_counter; --gaps records the GPU's operations only and charges each idle stretch to the pair of operations
+around it (CUPTI still slows the launches of CUDA graphs: under it a decode step's replay took 0.45 ms of host time).
 """
 
 from __future__ import annotations
@@ -37,7 +42,12 @@ from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.tokenizer import load_tokenizer  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
-from kestrel_backend.runtime.cuda_decode import HostTokens  # noqa: E402
+from kestrel_backend.model import moondream as moondream_module  # noqa: E402
+from kestrel_backend.runtime import prefill_attention as pa, prefill_graphs  # noqa: E402
+from kestrel_backend.runtime import scheduler as scheduler_module  # noqa: E402
+from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
+from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder, HostTokens  # noqa: E402
+from kestrel_backend.runtime.prefill_graphs import PrefillGraphs  # noqa: E402
 from kestrel_backend.runtime.scheduler import Scheduler  # noqa: E402
 from kestrel_backend.skills import sampling  # noqa: E402
 
@@ -52,6 +62,16 @@ PHASES = {  # marked methods -> their names in the profile
     (sampling.TokensToHost, "tolist"): "read tokens (wait)",
     (HostTokens, "tolist"): "read tokens (wait)",  # (the tokens a decode step's graph chose)
 }
+HOST_TIMED = [  # (owner, attribute) -> the engine thread's seconds in each (--light; nested ones counted in each)
+    (Scheduler, "_admit"), (Scheduler, "_attach_images"), (Scheduler, "_prefixes_ahead"),
+    (Scheduler, "_forward_flat"), (Scheduler, "_decode"), (Scheduler, "_prepare_next_step"), (Scheduler, "_advance"),
+    (Scheduler, "_keep_prefixes"), (Scheduler, "_end"), (Moondream, "embed_prompt"), (Moondream, "image_prefix"),
+    (PrefillGraphs, "run"), (CudaGraphDecoder, "run"), (CudaGraphDecoder, "prepare"),
+    (sampling.TokensToHost, "tolist"), (HostTokens, "tolist"), (torch.cuda.CUDAGraph, "replay"),
+    (PagedKVCache, "rows"), (pa.OneRowGroups, "pack"), (pa, "context_slots"), (pa, "work_items"),
+    (prefill_graphs, "to_device"), (moondream_module, "to_device"), (scheduler_module, "to_device"),
+    (scheduler_module, "launch_choice"),
+]
 PREFIX = "kestrel:"
 TIMED_ON_GPU = {"encode (launch)", "prefill (launch)", "decode (launch)"}  # their GPU time by CUDA events too
 
@@ -86,6 +106,38 @@ def mark_phases(gpu_spans: dict) -> None:
                 gpu_spans.setdefault(_label, []).append((start, end, rows))
             return out
         setattr(cls, name, marked)
+
+
+def time_on_host(totals: collections.Counter) -> None:
+    """Wrap HOST_TIMED to add their wall seconds and calls into totals."""
+    def timed(fn, label):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - t
+                totals[label + " (calls)"] += 1
+        return wrapper
+    for owner, name in HOST_TIMED:
+        setattr(owner, name, timed(getattr(owner, name), f"{owner.__name__.split('.')[-1]}.{name}"))
+
+
+def gaps_by_neighbours(events, min_us: float = 5.0, n: int = 20) -> dict[str, list]:
+    """The GPU's idle stretches of min_us or more, summed by the operations before and after them: name -> [ms,
+    count]."""
+    ops = sorted((e.time_range.start, e.time_range.end, e.name[:48]) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    total: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    end, before = None, None
+    for s, e, name in ops:
+        if end is not None and s - end >= min_us:
+            total[f"{before} -> {name}"][0] += (s - end) / 1000
+            total[f"{before} -> {name}"][1] += 1
+        if end is None or e >= end:
+            end, before = e, name
+    return {k: [round(v[0], 2), v[1]] for k, v in sorted(total.items(), key=lambda kv: -kv[1][0])[:n]}
 
 
 def busy_intervals(events) -> list[tuple[float, float]]:
@@ -164,6 +216,8 @@ def main() -> int:
                    help="also keep the burst's first milliseconds: every GPU operation and engine-thread mark")
     p.add_argument("--checkpoint", type=Path, help="a checkpoint folder (default: full-size random bf16 weights)")
     p.add_argument("--fp8-experts", default="widen", choices=FP8_EXPERT_MODES)
+    p.add_argument("--light", action="store_true", help="no profiler: host time by perf_counter (above)")
+    p.add_argument("--gaps", action="store_true", help="GPU operations only, idle time by its neighbours (above)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     tiny = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny"
@@ -188,16 +242,24 @@ def main() -> int:
     burst(workload(args.images, seed))  # warm-up: every graph and kernel in use once
     pairs = workload(args.images, seed + 1)
     gpu_spans: dict = {}
-    mark_phases(gpu_spans)
+    host_s: collections.Counter = collections.Counter()
+    if args.light:
+        time_on_host(host_s)
+    elif not args.gaps:
+        mark_phases(gpu_spans)
     steps_before = engine.scheduler.steps
     cpu_clock = time.pthread_getcpuclockid(engine._thread.ident)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    activities = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    if not (args.gaps and activities):
+        activities.append(torch.profiler.ProfilerActivity.CPU)
     prof = torch.profiler.profile(activities=activities)
-    on_engine_thread(engine, prof.start)  # (the profiler records the CPU ops of the thread that starts it)
+    if not args.light:
+        on_engine_thread(engine, prof.start)  # (the profiler records the CPU ops of the thread that starts it)
     t0, cpu0 = time.perf_counter(), time.clock_gettime(cpu_clock)
     results = burst(pairs)
     wall, cpu = time.perf_counter() - t0, time.clock_gettime(cpu_clock) - cpu0
-    on_engine_thread(engine, prof.stop)
+    if not args.light:
+        on_engine_thread(engine, prof.stop)
     engine.shutdown()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -206,7 +268,7 @@ def main() -> int:
     decodes = collections.defaultdict(list)  # rows -> GPU ms of each decode step of that many rows
     for a, b, rows in gpu_spans.get("decode (launch)", []):
         decodes[rows].append(a.elapsed_time(b))
-    events = prof.events()
+    events = prof.events() if not args.light else []
     busy = busy_intervals(events)
     marks = sorted((e.time_range.start, e.time_range.end, e.name[len(PREFIX):]) for e in events
                    if e.name.startswith(PREFIX) and e.device_type == torch.autograd.DeviceType.CPU)
@@ -225,6 +287,9 @@ def main() -> int:
         "engine_thread_cpu_s": cpu, "gpu_span_ms": span_us / 1000, "gpu_busy_ms": busy_ms,
         "gpu_idle_ms": span_us / 1000 - busy_ms, "idle_by_phase_ms": charge_idle(busy, marks),
         "engine_thread_ms_by_phase (nested phases counted in each)": dict(in_marks.most_common()),
+        "engine thread ms a request by function, calls a request (--light; nested ones counted in each)": {
+            k: round(v * (1 if k.endswith("(calls)") else 1000) / len(pairs), 3) for k, v in host_s.most_common()},
+        "idle ms by the GPU operations around it (--gaps)": gaps_by_neighbours(events),
         "gpu_ms_by_phase (CUDA events around the launches)": gpu_ms,
         "top_kernels_ms": top_kernels(events),
         "prefill_steps (rows, GPU ms)": prefills,

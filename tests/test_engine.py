@@ -818,6 +818,49 @@ def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back
         s.waiting.clear()
 
 
+def test_a_lone_prefills_first_decode_step_is_launched_behind_it_when_the_next_step_decodes_exactly_it(engine):
+    """A step that prefills new sequences on their own (not mixed) launches their first decode step right behind
+    the prefill on a GPU, its inputs the prefill's tokens still on the device, when the next step will decode exactly
+    them: every running sequence takes its last token in this step and no waiting request could take a free slot;
+    their inputs predictable (greedy text with room for another token) and no adapter. That step bans what the
+    choice after the first token bans."""
+    from kestrel_backend.skills.generation import TextGeneration
+    from kestrel_backend.skills.settings import Settings
+
+    s = engine.scheduler
+
+    def text_seq(seq_id: int, max_tokens: int, tokens_so_far: int = 0, temperature: float = 0.0) -> Sequence:
+        gen = TextGeneration(engine.model.config.tokenizer, Settings.from_dict({"temperature": temperature,
+                                                                                "max_tokens": max_tokens}))
+        gen.tokens = [1] * tokens_so_far
+        seq = Sequence(seq_id, "query", [0], gen, None, capacity=64)
+        seq.length = 10
+        return seq
+
+    new, leaving, staying = text_seq(1, 30), text_seq(2, 30, tokens_so_far=29), text_seq(3, 30, tokens_so_far=5)
+    try:
+        assert s._may_launch_first_decode([new], [leaving]) and s._may_launch_first_decode([new], [])
+        assert not s._may_launch_first_decode([new], [leaving, staying])  # (the next step decodes staying too)
+        assert not s._may_launch_first_decode([text_seq(4, 1)], [])  # (its first token is its last)
+        assert not s._may_launch_first_decode([text_seq(5, 30, temperature=0.5)], [])
+        s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))
+        assert not s._may_launch_first_decode([new], [leaving])  # (it could join the next step: it would wait)
+        s.max_batch_size, slots = 1, s.max_batch_size
+        adapter = asyncio.run_coroutine_threadsafe(engine.adapters.acquire("r4"), engine.loop).result(timeout=60)
+        try:
+            assert s._may_launch_first_decode([new], [leaving])  # (every slot taken: it waits anyway)
+            new.adapter = adapter
+            assert not s._may_launch_first_decode([new], [leaving])  # (the step launched ahead has no adapters)
+        finally:
+            s.max_batch_size, new.adapter = slots, None
+            engine.adapters.release(adapter)
+        banned = new.generation.banned_after_next_token()
+        new.generation.on_output(5, None)
+        assert banned == new.generation.choice().banned == (engine.model.config.tokenizer.answer_id,)
+    finally:
+        s.waiting.clear()
+
+
 def test_a_sequence_taking_its_last_token_gives_its_slot_to_the_next_request(tiny_dir):
     """One slot, two requests of 3 tokens: the second prefills in the step where the first takes its last token (5
     steps in all, not 6), and both answers equal each request run alone."""

@@ -21,6 +21,7 @@ class Moondream:
         self.device = weights.text.wte.device
         self.dtype = weights.text.wte.dtype
         self.rope = text.rope_table(config.text, self.device)
+        self._bos: torch.Tensor | None = None  # BOS's input row (image_prefix), made once
 
     @classmethod
     def from_checkpoint(cls, folder: str | Path, dtype=torch.float32, device="cpu",
@@ -52,8 +53,9 @@ class Moondream:
 
     def image_prefix(self, image_embedding: torch.Tensor) -> torch.Tensor:
         """BOS followed by the image: the 730 inputs that attend to each other bidirectionally."""
-        bos = self.embed_tokens([self.config.tokenizer.bos_id])
-        return torch.cat([bos, image_embedding.to(self.dtype)], dim=0)
+        if self._bos is None:  # (each request's prefix would otherwise copy one token id to the device)
+            self._bos = self.embed_tokens([self.config.tokenizer.bos_id])
+        return torch.cat([self._bos, image_embedding.to(self.dtype)], dim=0)
 
     # --- text ---
     def embed_tokens(self, ids) -> torch.Tensor:

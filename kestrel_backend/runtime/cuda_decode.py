@@ -467,6 +467,11 @@ class CudaGraphDecoder:
                 greedy = self._greedy_host[parity].after_step(n)
         return self.logits[:n], self.hidden[:n], greedy
 
+    def feed_back(self, tokens: torch.Tensor) -> None:
+        """Make tokens [n] (on the device: a prefill's choice) the ones the next run's FED_BACK inputs take, as if
+        the last step had chosen them (its graph reads the buffer of the last step's parity)."""
+        self.greedy[self._parity, :tokens.numel()].copy_(tokens)
+
     def prepare(self, seq_ids: list[int], positions: list[int]) -> None:
         """Stage a likely next step (these sequences at these positions) while the GPU runs this one."""
         bucket = self._bucket(len(seq_ids))

@@ -250,6 +250,8 @@ class Scheduler:
                     outputs.append((decoding, *self._decode(decoding, launch_ahead=not new)))
                 picks = [launch_choice(logits, [seq.generation.choice() for seq in seqs], greedy)
                          for seqs, logits, _, greedy in outputs]
+                if new and not mixed and self.decoder is not None and self._may_launch_first_decode(new, decoding):
+                    self._launch_first_decode(new, picks[0])
                 t2 = time.perf_counter()
                 self._prepare_next_step()  # (on the GPU after this step's work, while the tokens are read)
                 chosen = [tokens.tolist() for tokens in picks]
@@ -556,6 +558,28 @@ class Scheduler:
         none is launched again while they wait)."""
         room = self.waiting and len(self.running) < self.max_batch_size
         return not room and self._predictable(seqs, choices)
+
+    def _may_launch_first_decode(self, new: list[Sequence], decoding: list[Sequence]) -> bool:
+        """Whether the sequences this step prefilled alone (not mixed) have their first decode step launched now,
+        behind their prefill, taking its tokens on the GPU: when the next step decodes exactly them (every running
+        sequence takes its last token in this step, no waiting request could take a free slot), and their inputs
+        are predictable (greedy text, no adapter). At one slot that is every request: the GPU would otherwise wait
+        for the host to read the prefill's token and launch the step (the image encoded ahead fills that wait for
+        every second request only)."""
+        if any(s.generation.may_continue_after_next_token() for s in decoding):
+            return False
+        if (self.waiting and len(new) < self.max_batch_size) or any(s.adapter is not None for s in new):
+            return False
+        return self._predictable(new, [s.generation.choice() for s in new])
+
+    def _launch_first_decode(self, new: list[Sequence], tokens) -> None:
+        """Launch the decode step after the prefill of `new`, its inputs the prefill's chosen tokens (still on the
+        GPU: TokensToHost), as a step launched ahead (self._ahead) that the next step takes if the guess holds."""
+        ids, positions = [s.id for s in new], [s.length for s in new]
+        banned = [s.generation.banned_after_next_token() for s in new]
+        self.decoder.feed_back(tokens.on_device)
+        self._ahead = (ids, positions, banned, self.decoder.run([self.decoder.FED_BACK] * len(new), ids, positions,
+                                                                banned))
 
     @staticmethod
     def _predictable(seqs: list[Sequence], choices) -> bool:

@@ -50,6 +50,10 @@ class Generation:
         max_tokens allows, so a step launched ahead for it would be wasted)."""
         return True
 
+    def banned_after_next_token(self) -> tuple[int, ...]:
+        """The tokens the choice after the next one bans (for a step launched before the next token is read)."""
+        return self.choice().banned
+
     def on_output(self, token: int, hidden: torch.Tensor) -> NextInput:
         raise NotImplementedError
 
@@ -78,6 +82,9 @@ class TextGeneration(Generation):
 
     def may_continue_after_next_token(self) -> bool:
         return len(self.tokens) + 1 < self.settings.max_tokens
+
+    def banned_after_next_token(self) -> tuple[int, ...]:
+        return (self.tok.answer_id,)
 
     def on_output(self, token, hidden) -> NextInput:
         self._steps += 1
