@@ -285,7 +285,7 @@ def main() -> int:
         "max_step_tokens": args.max_step_tokens, "wall_s": wall,
         "req_per_s": len(pairs) / wall, "steps": engine.scheduler.steps - steps_before,
         "engine_thread_cpu_s": cpu, "gpu_span_ms": span_us / 1000, "gpu_busy_ms": busy_ms,
-        "gpu_idle_ms": span_us / 1000 - busy_ms, "idle_by_phase_ms": charge_idle(busy, marks),
+        "gpu_idle_ms": span_us / 1000 - busy_ms, "idle_by_phase_ms": charge_idle(busy, marks) if marks else {},
         "engine_thread_ms_by_phase (nested phases counted in each)": dict(in_marks.most_common()),
         "engine thread ms a request by function, calls a request (--light; nested ones counted in each)": {
             k: round(v * (1 if k.endswith("(calls)") else 1000) / len(pairs), 3) for k, v in host_s.most_common()},
