@@ -524,10 +524,7 @@ class Scheduler:
             seq.length += 1
         positions = [s.length for s in seqs]
         if launch_ahead and greedy is not None and rows is None and self._may_launch_ahead(seqs, choices):
-            # launch the next step while the GPU runs this one, its inputs this step's tokens (fed back on
-            # the GPU): the next step uses it if the guess holds, else drops it
-            self._ahead = (ids, positions, banned, self.decoder.run([self.decoder.FED_BACK] * len(seqs), ids,
-                                                                    positions, banned))
+            self._launch_ahead(ids, positions, banned)  # (while the GPU runs this step)
         else:
             self.decoder.prepare(ids, positions)  # stage the next step's rows while the GPU runs this one
         return logits, hidden, greedy
@@ -552,11 +549,17 @@ class Scheduler:
         index = to_device(rows, torch.long, logits.device)
         return rows, (logits.index_select(0, index), hidden.index_select(0, index), RowsOf(greedy, rows))
 
+    def _launch_ahead(self, ids: list[int], positions: list[int], banned: list[tuple[int, ...]]) -> None:
+        """Launch a decode step of these sequences before the host has read their inputs, the tokens the GPU's last
+        step chose (fed back on the GPU): the next step uses it if the guess holds, else drops it."""
+        self._ahead = (ids, positions, banned, self.decoder.run([self.decoder.FED_BACK] * len(ids), ids, positions,
+                                                                banned))
+
     def _may_launch_ahead(self, seqs: list[Sequence], choices) -> bool:
-        """Whether to launch the next decode step now: its inputs are predictable, and no waiting request could
-        take a free slot in it (_admit holds requests back while a step launched ahead is in flight: one step, as
-        none is launched again while they wait)."""
-        room = self.waiting and len(self.running) < self.max_batch_size
+        """Whether to launch the next decode step of seqs (all the sequences it will hold) now: its inputs are
+        predictable, and no waiting request could take a free slot in it (_admit holds requests back while a step
+        launched ahead is in flight: one step, as none is launched again while they wait)."""
+        room = self.waiting and len(seqs) < self.max_batch_size
         return not room and self._predictable(seqs, choices)
 
     def _may_launch_first_decode(self, new: list[Sequence], decoding: list[Sequence]) -> bool:
@@ -566,20 +569,17 @@ class Scheduler:
         are predictable (greedy text, no adapter). At one slot that is every request: the GPU would otherwise wait
         for the host to read the prefill's token and launch the step (the image encoded ahead fills that wait for
         every second request only)."""
-        if any(s.generation.may_continue_after_next_token() for s in decoding):
+        if any(s.generation.may_continue_after_next_token() for s in decoding) or any(
+                s.adapter is not None for s in new):
             return False
-        if (self.waiting and len(new) < self.max_batch_size) or any(s.adapter is not None for s in new):
-            return False
-        return self._predictable(new, [s.generation.choice() for s in new])
+        return self._may_launch_ahead(new, [s.generation.choice() for s in new])
 
     def _launch_first_decode(self, new: list[Sequence], tokens) -> None:
-        """Launch the decode step after the prefill of `new`, its inputs the prefill's chosen tokens (still on the
-        GPU: TokensToHost), as a step launched ahead (self._ahead) that the next step takes if the guess holds."""
-        ids, positions = [s.id for s in new], [s.length for s in new]
-        banned = [s.generation.banned_after_next_token() for s in new]
+        """Launch the decode step after the prefill of `new` ahead, its inputs the prefill's chosen tokens (still on
+        the GPU: TokensToHost)."""
         self.decoder.feed_back(tokens.on_device)
-        self._ahead = (ids, positions, banned, self.decoder.run([self.decoder.FED_BACK] * len(new), ids, positions,
-                                                                banned))
+        self._launch_ahead([s.id for s in new], [s.length for s in new],
+                           [s.generation.banned_after_next_token() for s in new])
 
     @staticmethod
     def _predictable(seqs: list[Sequence], choices) -> bool:
