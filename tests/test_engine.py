@@ -975,6 +975,127 @@ def test_adapter_lru_evicts_only_unpinned_adapters(tiny_dir):
         eng.shutdown()
 
 
+def _kestrel_and_reference_adapters(tiny_dir, folder) -> dict:
+    """md2-tiny's r8 adapter's MLP part (B doubled, so that it moves the greedy tokens) written twice: as Kestrel's
+    API serves a finetune's checkpoint (`lora_state_dict`: each dense layer's up_a/up_b for fc1 and down_a/down_b
+    for fc2, under both prefixes its LoRA module saves, beside a vision part that Kestrel never applies) at
+    folder/kestrel@7/final.pt, and in the reference's format with zero attention tensors at
+    folder/mlp-only/final.pt. -> the Kestrel checkpoint."""
+    from kestrel_backend.model.lora import read_adapter_tensors
+
+    state = read_adapter_tensors([tiny_dir / "adapters" / "r8" / "final.pt"])
+    reference, lora_state = {}, {"vision_lora.proj_fc2.down": torch.ones(8, 4)}
+    for key, tensor in state.items():
+        if ".B" in key:
+            tensor = tensor * 2
+        mlp = ".mlp." in key
+        reference[key] = tensor if mlp else torch.zeros_like(tensor)
+        if mlp:
+            layer, proj, ab = key.split(".")[2], key.split(".")[4], key.split(".")[5]
+            for prefix in ("text_lora", "_text"):
+                lora_state[f"{prefix}.dense.{layer}.{'up' if proj == 'fc1' else 'down'}_{ab.lower()}"] = tensor
+    checkpoint = {"lora_state_dict": lora_state, "step": 7}
+    _write_adapter(folder / "kestrel@7" / "final.pt", checkpoint)
+    _write_adapter(folder / "mlp-only" / "final.pt", reference)
+    return checkpoint
+
+
+def test_kestrels_adapter_checkpoints_adapt_the_mlp_as_the_reference_format_does(tiny_dir, tmp_path):
+    """A checkpoint of Kestrel's adapters (MLP only) gives the answers of the same tensors in the reference's
+    format with zero attention deltas, alone and in one batch with it and without an adapter; a part of it that
+    does not fit is a clear error naming the tensor."""
+    folder = tmp_path / "adapters"
+    checkpoint = _kestrel_and_reference_adapters(tiny_dir, folder)
+    lora_state = checkpoint["lora_state_dict"]
+    _write_adapter(folder / "experts@1" / "final.pt", {"lora_state_dict": {
+        **lora_state, "text_lora.moe.0.up_a": torch.zeros(8, 1, 64)}})
+    _write_adapter(folder / "twins@1" / "final.pt", {"lora_state_dict": {
+        **lora_state, "_text.dense.0.up_a": lora_state["_text.dense.0.up_a"] + 1}})
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               adapter_dir=str(folder)))
+    image = (tiny_dir / "images" / "small.png").read_bytes()
+    greedy = {"temperature": 0, "max_tokens": 6}
+    try:
+        def ask(adapter):
+            return eng.query(image, "What?", settings={**greedy, **({"adapter": adapter} if adapter else {})})
+
+        async def together():
+            return await asyncio.gather(ask("kestrel@7"), ask("mlp-only"), ask(None))
+
+        alone = [asyncio.run(ask(a)).output for a in ("kestrel@7", "mlp-only", None)]
+        assert alone[0] == alone[1] != alone[2]
+        assert [r.output for r in asyncio.run(together())] == alone
+        for adapter, message in [("experts@1", "'text_lora.moe.0.up_a' .*Moondream 3's expert layers"),
+                                 ("twins@1", "'_text.dense.0.up_a' differs from its twin")]:
+            with pytest.raises(InvalidRequest, match=message):
+                asyncio.run(ask(adapter))
+        assert eng.adapters.pinned == 0 and eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
+def test_kestrel_adapter_ids_download_the_finetunes_checkpoint(tiny_dir, tmp_path, monkeypatch):
+    """An id `<finetune_id>@<step>` found in no folder is fetched as Kestrel fetches it: the Moondream API's
+    download link for that checkpoint (asked with the key), then the file from the link (without the key), kept as
+    <id>/final.pt; the answer is that of the same adapter read locally. A checkpoint the API does not know is an
+    error for that request."""
+    import http.server
+    import io
+    import threading
+
+    local = tmp_path / "local"
+    checkpoint = io.BytesIO()
+    torch.save(_kestrel_and_reference_adapters(tiny_dir, local), checkpoint)
+    asked = []
+
+    class Api(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append((self.path, self.headers.get("X-Moondream-Auth")))
+            if self.path == "/v1/tuning/finetunes/ft1/checkpoints/20/download":
+                body = json.dumps({"url": f"http://127.0.0.1:{self.server.server_port}/signed/ft1-20"}).encode()
+            elif self.path == "/signed/ft1-20":
+                body = checkpoint.getvalue()
+            else:
+                return self.send_error(404)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for proxy in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setenv("MOONDREAM_API_KEY", "key")
+    monkeypatch.setenv("MOONDREAM_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    folder = tmp_path / "adapters"
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               adapter_dir=str(folder)))
+    image = (tiny_dir / "images" / "small.png").read_bytes()
+    greedy = {"temperature": 0, "max_tokens": 6}
+    try:
+        fetched = asyncio.run(eng.query(image, "What?", settings={**greedy, "adapter": "ft1@20"}))
+        assert asked == [("/v1/tuning/finetunes/ft1/checkpoints/20/download", "key"), ("/signed/ft1-20", None)]
+        assert (folder / "ft1@20" / "final.pt").read_bytes() == checkpoint.getvalue()
+        with pytest.raises(InvalidRequest, match="'ft1@99': not found locally and its download failed"):
+            asyncio.run(eng.query(image, "What?", settings={**greedy, "adapter": "ft1@99"}))
+        assert eng.adapters.pinned == 0 and eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+        server.shutdown()
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               adapter_dir=str(local)))
+    try:
+        assert asyncio.run(eng.query(image, "What?", settings={**greedy, "adapter": "kestrel@7"})).output == \
+            fetched.output
+    finally:
+        eng.shutdown()
+
+
 def test_spatial_refs_are_checked(engine, tiny_dir):
     image = (tiny_dir / "images" / "small.png").read_bytes()
     for refs, message in [([(0.5, 1.5)], r"in \[0, 1\]"), ([(0.1, 0.2, 0.3)], r"\(x, y\) or"),

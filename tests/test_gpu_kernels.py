@@ -505,8 +505,8 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
                                                          full_size_tiles):
     """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch
     step, after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens:
-    the interpreter runs every program in Python. With adapters: rows of adapters r8, none and r4 (from a
-    LoraPool of rank 16 slots) against the torch step's per-row deltas. md3-tiny: Moondream 3's layers (tau from
+    the interpreter runs every program in Python. With adapters: rows of adapters r8, none and r4's MLP part
+    alone (from a LoraPool of rank 16 slots, in the slot that r4 had) against the torch step's per-row deltas. md3-tiny: Moondream 3's layers (tau from
     each row's position, for one or two rows in one kernel; the expert kernels). md2-tiny-4bit: its text weights kept
     4-bit, as on a GPU (the W4A16 kernels)."""
     import dataclasses
@@ -556,9 +556,14 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
         from kestrel_backend.runtime.lora_pool import LoraPool
 
         pool = LoraPool(cfg, 3, 16, "cpu", torch.float32)
-        placed = [pool.place(build_adapter(name, read_adapter_tensors([tiny_dir / "adapters" / name / "final.pt"]),
+        r4, r8 = [pool.place(build_adapter(name, read_adapter_tensors([tiny_dir / "adapters" / name / "final.pt"]),
                                            cfg, 16, torch.float32, "cpu")) for name in ("r4", "r8")]
-        per_row = [placed[1], None, placed[0]][:n_seqs]
+        pool.release(r4)  # (its slot then takes r4's MLP part alone, as Kestrel's adapters are: the rest zeroed)
+        state = read_adapter_tensors([tiny_dir / "adapters" / "r4" / "final.pt"])
+        mlp_only = pool.place(build_adapter("mlp", {k: v for k, v in state.items() if ".mlp." in k}, cfg, 16,
+                                            torch.float32, "cpu"))
+        assert mlp_only.slot == r4.slot and set(mlp_only.layers[0]) == {"fc1", "fc2"}
+        per_row = [r8, None, mlp_only][:n_seqs]
         rows = (pool, segment_tensors([a.slot if a else 0 for a in per_row]))
         lora = LoraRows.of(per_row, [1] * n_seqs)
     hidden_ref = model.forward(x, positions, step, lora)

@@ -1,13 +1,16 @@
 """LoRA adapters of the text model (the reference's "variants", Kestrel's "adapters").
 
-An adapter adds `x @ A^T @ B^T` to the text model's attention qkv and proj and MLP fc1 and fc2 outputs, in
-every layer. As in the reference, the proj delta is computed from the layer's normed input (the same x as
-qkv's), not from the attention output. Files are the reference's `final.pt` (a flat dict of tensors,
-renamed with its fixed rules) or safetensors with the same names.
+An adapter adds `x @ A^T @ B^T` to the outputs of the projections it targets, in every layer: the reference's
+adapt the attention's qkv and proj and the MLP's fc1 and fc2, Kestrel's the MLP's only. As in the reference,
+the proj delta is computed from the layer's normed input (the same x as qkv's), not from the attention output.
+Files are the reference's `final.pt` (a flat dict of tensors, renamed with its fixed rules) or safetensors with
+the same names, or Kestrel's checkpoints (a dict whose `lora_state_dict` holds its LoRA module's tensors:
+`kestrel_tensors`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from .config import TextConfig
 
 TARGETS = ("qkv", "proj", "fc1", "fc2")
 _TARGET_PATH = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+_TARGET_KEY = re.compile(r"text\.blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.[AB]")  # (its path)
 # The reference's renaming of training-time names (applied in this order, every match replaced).
 _RENAME_RULES = [("text_model.transformer.h", "text.blocks"), (".mixer", ".attn"), (".out_proj", ".proj"),
                  (".Wqkv", ".qkv"), (".parametrizations.weight.0", "")]
@@ -30,7 +34,8 @@ class AdapterError(ValueError):
 class LoraAdapter:
     name: str
     rank: int
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # per layer: target -> (A [r, in], B [out, r])
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # per layer: target -> (A [r, in], B [out, r]);
+    # the targets it leaves out get no delta
     uid: int = 0  # which load of this name (the registry's count): keys what was computed with it
     slot: int = 0  # its slot in the device's LoraPool (0: not in one)
 
@@ -52,6 +57,31 @@ def target_shapes(config: TextConfig) -> dict[str, tuple[int, int]]:
             "fc2": (config.ff_dim, config.dim)}
 
 
+# Kestrel's LoRA module for a dense MLP: fc1's A and B are its up_a [r, dim] and up_b [ff, r], fc2's its down_a
+# [r, ff] and down_b [dim, r]. Its text part is registered twice (`text_lora.` and `_text.`), its optional vision
+# part (`vision_lora.`, `_vision.`) is never built for the files its API serves, so never applied.
+_KESTREL_DENSE = re.compile(r"(?:text_lora|_text)\.dense\.(\d+)\.(up|down)_(a|b)")
+_KESTREL_UNUSED = ("vision_lora.", "_vision.")
+
+
+def kestrel_tensors(lora_state: dict) -> dict[str, torch.Tensor]:
+    """A Kestrel checkpoint's `lora_state_dict` in the reference's names (text.blocks.N.mlp.fc1.A, ...)."""
+    state = {}
+    for key, tensor in lora_state.items():
+        if key.startswith(_KESTREL_UNUSED):
+            continue
+        m = _KESTREL_DENSE.fullmatch(key)
+        if m is None:
+            what = "Moondream 3's expert layers" if ".moe." in key else "a projection this engine does not adapt"
+            raise AdapterError(f"unexpected tensor '{key}' ({what})")
+        layer, proj, ab = m.groups()
+        name = f"text.blocks.{layer}.mlp.{'fc1' if proj == 'up' else 'fc2'}.{ab.upper()}"
+        if name in state and not torch.equal(state[name], tensor):
+            raise AdapterError(f"tensor '{key}' differs from its twin under the other prefix")
+        state[name] = tensor
+    return state
+
+
 def read_adapter_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     state = {}
     for path in files:
@@ -64,6 +94,9 @@ def read_adapter_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
                 tensors = torch.load(str(path), map_location="cpu", weights_only=True)
         except Exception as e:
             raise AdapterError(f"cannot read {path.name} ({type(e).__name__}: {e})") from e
+        if isinstance(tensors, dict) and isinstance(tensors.get("lora_state_dict"), dict):  # (Kestrel's checkpoint)
+            state.update(kestrel_tensors(tensors["lora_state_dict"]))
+            continue
         if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
             raise AdapterError(f"{path.name} is not a flat dict of tensors")
         state.update({renamed(k): v for k, v in tensors.items()})
@@ -72,18 +105,23 @@ def read_adapter_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 def build_adapter(name: str, state: dict[str, torch.Tensor], config: TextConfig, max_rank: int,
                   dtype: torch.dtype, device) -> LoraAdapter:
-    """Check every tensor against the model (errors name the tensor) and move them to the device."""
+    """Check every tensor against the model (errors name the tensor) and move them to the device. A target is
+    adapted in every layer or in none."""
     shapes = target_shapes(config)
-    expected = {f"text.blocks.{i}.{_TARGET_PATH[t]}.{ab}" for i in range(config.n_layers) for t in TARGETS
+    named = {m.group(1) for m in map(_TARGET_KEY.fullmatch, state) if m}
+    targets = [t for t in TARGETS if _TARGET_PATH[t] in named]
+    expected = {f"text.blocks.{i}.{_TARGET_PATH[t]}.{ab}" for i in range(config.n_layers) for t in targets
                 for ab in "AB"}
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+    if not state:
+        raise AdapterError("no tensors")
     if missing:
         raise AdapterError(f"missing tensor '{missing[0]}'" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if extra:
         raise AdapterError(f"unexpected tensor '{extra[0]}'" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
     rank = 0
     for i in range(config.n_layers):
-        for target in TARGETS:
+        for target in targets:
             n_in, n_out = shapes[target]
             key = f"text.blocks.{i}.{_TARGET_PATH[target]}"
             a, b = state[f"{key}.A"], state[f"{key}.B"]
@@ -101,7 +139,7 @@ def build_adapter(name: str, state: dict[str, torch.Tensor], config: TextConfig,
         return t.to(device=device, dtype=dtype).contiguous()
 
     layers = [{t: (on_device(state[f"text.blocks.{i}.{_TARGET_PATH[t]}.A"]),
-                   on_device(state[f"text.blocks.{i}.{_TARGET_PATH[t]}.B"])) for t in TARGETS}
+                   on_device(state[f"text.blocks.{i}.{_TARGET_PATH[t]}.B"])) for t in targets}
               for i in range(config.n_layers)]
     return LoraAdapter(name, rank, layers)
 
@@ -128,6 +166,7 @@ class LoraRows:
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, target: str) -> torch.Tensor:
         for start, end, adapter in self.spans:
-            a, b = adapter.layers[layer][target]
-            y[start:end] += (x[start:end] @ a.t()) @ b.t()
+            if target in adapter.layers[layer]:
+                a, b = adapter.layers[layer][target]
+                y[start:end] += (x[start:end] @ a.t()) @ b.t()
         return y

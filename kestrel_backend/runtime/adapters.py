@@ -1,16 +1,18 @@
 """The loaded LoRA adapters: found in a folder, read off the engine thread once, kept in an LRU on the device.
 
-An adapter id names `<dir>/<id>/final.pt` (the reference's layout), `<dir>/<id>.safetensors` or
-`<dir>/<id>/*.safetensors`, looked for in KESTREL_ADAPTER_DIR, then in the reference's own cache
-(`<HF hub cache>/md_variants`). Where neither has it and MOONDREAM_API_KEY is set, it is downloaded from the
-Moondream API into the first of those folders, as the reference does. Requests in flight pin their adapter:
-only adapters no request holds are evicted. On a GPU the adapters live in a LoraPool, where the decode step's
-kernels find each row's adapter by its slot.
+An adapter id names `<dir>/<id>/final.pt` (the reference's layout; the file may also be one of Kestrel's
+checkpoints), `<dir>/<id>.safetensors` or `<dir>/<id>/*.safetensors`, looked for in KESTREL_ADAPTER_DIR, then in the
+reference's own cache (`<HF hub cache>/md_variants`). Where neither has it and MOONDREAM_API_KEY is set, it is
+downloaded from the Moondream API into the first of those folders as `<id>/final.pt`: a variant as the reference
+does, an id `<finetune_id>@<step>` (Kestrel's) as Kestrel does, from the finetune's checkpoint through the download
+link the API hands out. Requests in flight pin their adapter: only adapters no request holds are evicted. On a GPU
+the adapters live in a LoraPool, where the decode step's kernels find each row's adapter by its slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -49,13 +51,21 @@ def adapter_files(folder: Path, adapter_id: str) -> list[Path]:
 
 
 def download_adapter(adapter_id: str, folder: Path) -> Path:
-    """The reference's download from the Moondream API (needs MOONDREAM_API_KEY and network)."""
+    """The download from the Moondream API (needs MOONDREAM_API_KEY and network): a variant's file, or for
+    `<finetune_id>@<step>` the finetune's checkpoint from the link that the API answers with (fetched without the
+    key, as Kestrel does: the link carries its own authorisation)."""
     endpoint = os.environ.get("MOONDREAM_ENDPOINT", "https://api.moondream.ai")
     headers = {"User-Agent": "kestrel-triton", "X-Moondream-Auth": os.environ["MOONDREAM_API_KEY"]}
+    if "@" in adapter_id:
+        finetune, step = adapter_id.split("@", 1)
+        link = f"{endpoint}/v1/tuning/finetunes/{finetune}/checkpoints/{step}/download"
+        with urllib.request.urlopen(urllib.request.Request(link, headers=headers), timeout=60) as response:
+            request = urllib.request.Request(json.load(response)["url"], headers={"User-Agent": "kestrel-triton"})
+    else:
+        request = urllib.request.Request(f"{endpoint}/v1/variants/{adapter_id}/download", headers=headers)
     dest = folder / adapter_id / "final.pt"
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_suffix(".part")
-    request = urllib.request.Request(f"{endpoint}/v1/variants/{adapter_id}/download", headers=headers)
     with urllib.request.urlopen(request, timeout=300) as response, open(partial, "wb") as f:
         shutil.copyfileobj(response, f)
     partial.rename(dest)

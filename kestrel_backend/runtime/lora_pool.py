@@ -46,16 +46,20 @@ class LoraPool:
         layers = []
         for i, layer in enumerate(adapter.layers):
             views = {}
-            for target, (a, b) in layer.items():
+            for target in self.b:  # (a target the adapter leaves out: zeros, which the kernels add)
                 if target in IN_GROUP:
                     g = IN_GROUP.index(target) * self.rank_cap
                     a_view = self.a_h[i, slot, g:g + r]
                 else:
                     a_view = self.a_g[i, slot, :r]
                 b_view = self.b[target][i, slot, :, :r]
-                a_view.zero_()[:a.shape[0]].copy_(a)  # (a target of lower rank than the adapter: zero rows)
-                b_view.zero_()[:, :b.shape[1]].copy_(b)
-                views[target] = (a_view, b_view)
+                a_view.zero_()
+                b_view.zero_()
+                if target in layer:
+                    a, b = layer[target]
+                    a_view[:a.shape[0]].copy_(a)  # (a target of lower rank than the adapter: zero rows)
+                    b_view[:, :b.shape[1]].copy_(b)
+                    views[target] = (a_view, b_view)
             layers.append(views)
         self.ranks[slot] = r
         return dataclasses.replace(adapter, layers=layers, slot=slot)
