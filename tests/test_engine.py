@@ -1037,8 +1037,8 @@ def test_kestrels_adapter_checkpoints_adapt_the_mlp_as_the_reference_format_does
 def test_kestrel_adapter_ids_download_the_finetunes_checkpoint(tiny_dir, tmp_path, monkeypatch):
     """An id `<finetune_id>@<step>` found in no folder is fetched as Kestrel fetches it: the Moondream API's
     download link for that checkpoint (asked with the key), then the file from the link (without the key), kept as
-    <id>/final.pt; the answer is that of the same adapter read locally. A checkpoint the API does not know is an
-    error for that request."""
+    <id>/final.pt; the answer is that of the same adapter read locally. A checkpoint the API does not know, or a
+    link that is not a web address, is an error for that request."""
     import http.server
     import io
     import threading
@@ -1055,6 +1055,8 @@ def test_kestrel_adapter_ids_download_the_finetunes_checkpoint(tiny_dir, tmp_pat
                 body = json.dumps({"url": f"http://127.0.0.1:{self.server.server_port}/signed/ft1-20"}).encode()
             elif self.path == "/signed/ft1-20":
                 body = checkpoint.getvalue()
+            elif self.path == "/v1/tuning/finetunes/ft2/checkpoints/1/download":
+                body = json.dumps({"url": "file:///etc/hostname"}).encode()
             else:
                 return self.send_error(404)
             self.send_response(200)
@@ -1083,6 +1085,8 @@ def test_kestrel_adapter_ids_download_the_finetunes_checkpoint(tiny_dir, tmp_pat
         assert (folder / "ft1@20" / "final.pt").read_bytes() == checkpoint.getvalue()
         with pytest.raises(InvalidRequest, match="'ft1@99': not found locally and its download failed"):
             asyncio.run(eng.query(image, "What?", settings={**greedy, "adapter": "ft1@99"}))
+        with pytest.raises(InvalidRequest, match="download link is not a web address"):
+            asyncio.run(eng.query(image, "What?", settings={**greedy, "adapter": "ft2@1"}))
         assert eng.adapters.pinned == 0 and eng.no_request_holds_pages()
     finally:
         eng.shutdown()

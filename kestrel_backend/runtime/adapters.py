@@ -60,7 +60,10 @@ def download_adapter(adapter_id: str, folder: Path) -> Path:
         finetune, step = adapter_id.split("@", 1)
         link = f"{endpoint}/v1/tuning/finetunes/{finetune}/checkpoints/{step}/download"
         with urllib.request.urlopen(urllib.request.Request(link, headers=headers), timeout=60) as response:
-            request = urllib.request.Request(json.load(response)["url"], headers={"User-Agent": "kestrel-triton"})
+            url = json.load(response)["url"]
+        if not url.startswith(("https://", "http://")):
+            raise ValueError(f"the API's download link is not a web address: {url[:80]!r}")
+        request = urllib.request.Request(url, headers={"User-Agent": "kestrel-triton"})
     else:
         request = urllib.request.Request(f"{endpoint}/v1/variants/{adapter_id}/download", headers=headers)
     dest = folder / adapter_id / "final.pt"
