@@ -115,10 +115,10 @@ def build_adapter(name: str, state: dict[str, torch.Tensor], config: TextConfig,
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
     if not state:
         raise AdapterError("no tensors")
-    if missing:
-        raise AdapterError(f"missing tensor '{missing[0]}'" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    if extra:
-        raise AdapterError(f"unexpected tensor '{extra[0]}'" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    for kind, names in (("missing", missing), ("unexpected", extra)):
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise AdapterError(f"{kind} tensor '{names[0]}'{more}")
     rank = 0
     for i in range(config.n_layers):
         for target in targets:
