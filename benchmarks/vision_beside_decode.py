@@ -11,10 +11,11 @@ setting: its GEMMs leave that many SMs free) or replayed on a green context's st
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, ".")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import engine_step  # noqa: E402
 from benchmarks.moondream3_bench import experts_to_fp8  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
