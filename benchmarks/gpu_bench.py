@@ -147,6 +147,19 @@ def text_weight_bytes(config: MoondreamConfig, rows: int = 1, fp8_experts: bool 
     return 2 * total
 
 
+def random_kv_cache(cfg, bsz: int, context: int, sharing: int = 1) -> PagedKVCache:
+    """A KV cache of random values holding bsz sequences of context + 9 positions (16-position pages); sharing > 1:
+    groups of that many share the pages of a 730-token image prefix, as requests on one image do."""
+    cache = PagedKVCache(cfg, bsz * (-(-(context + 9) // 16)), 16, "cuda", torch.bfloat16)
+    shared_pages = cfg.prefix_attn // 16
+    for i in range(bsz):
+        first = i - i % sharing
+        cache.allocate(i, context + 9, cache.tables[first][:shared_pages] if i != first else ())
+    cache.k.normal_()
+    cache.v.normal_()
+    return cache
+
+
 def decode_steps(model: Moondream, batches, context: int, bandwidth: float, backend: str,
                  sharing: int = 1, weight_bytes=text_weight_bytes) -> list[dict]:
     """One decode step (forward + LM head + greedy choice) for `batch` sequences holding about `context` tokens
@@ -156,14 +169,8 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
     of the floor."""
     cfg = model.config.text
     rows = []
-    shared_pages = cfg.prefix_attn // 16
     for bsz in batches:
-        cache = PagedKVCache(cfg, bsz * (-(-(context + 9) // 16)), 16, "cuda", torch.bfloat16)
-        for i in range(bsz):
-            first = i - i % sharing
-            cache.allocate(i, context + 9, cache.tables[first][:shared_pages] if i != first else ())
-        cache.k.normal_()
-        cache.v.normal_()
+        cache = random_kv_cache(cfg, bsz, context, sharing)
         x = torch.randn(bsz, cfg.dim, device="cuda", dtype=torch.bfloat16)
         if backend.startswith("graph"):
             decoder = CudaGraphDecoder(model, cache, bsz, context + 9)

@@ -16,13 +16,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import engine_step  # noqa: E402
+from benchmarks.gpu_bench import engine_step, random_kv_cache  # noqa: E402
 from benchmarks.moondream3_bench import experts_to_fp8  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder  # noqa: E402
-from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.vision_graphs import CropEncoderGraphs  # noqa: E402
 
 CROPS = 10
@@ -42,14 +41,7 @@ def main():
     config = MoondreamConfig.official("moondream3")
     model = Moondream(config, random_weights(config, dtype=torch.bfloat16, device="cuda"))
     experts_to_fp8(model)
-    cfg = config.text
-    cache = PagedKVCache(cfg, bsz * (-(-(context + 9) // 16)), 16, "cuda", torch.bfloat16)
-    shared = cfg.prefix_attn // 16
-    for i in range(bsz):
-        first = i - i % 2
-        cache.allocate(i, context + 9, cache.tables[first][:shared] if i != first else ())
-    cache.k.normal_()
-    cache.v.normal_()
+    cache = random_kv_cache(config.text, bsz, context, sharing=2)
     hp = torch.cuda.Stream(priority=-5)
     lp = torch.cuda.Stream(priority=0)
     crops = torch.randn(CROPS, 3, config.vision.crop_size, config.vision.crop_size, device="cuda",

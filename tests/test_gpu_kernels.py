@@ -503,12 +503,12 @@ def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc
     (3, "grouped", False, "md2-tiny"), (3, "grouped", False, "md3-tiny")])
 def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n_seqs, splits, adapters, fixture,
                                                          full_size_tiles):
-    """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch
-    step, after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens:
-    the interpreter runs every program in Python. With adapters: rows of adapters r8, none and r4's MLP part
-    alone (from a LoraPool of rank 16 slots, in the slot that r4 had) against the torch step's per-row deltas. md3-tiny: Moondream 3's layers (tau from
-    each row's position, for one or two rows in one kernel; the expert kernels). md2-tiny-4bit: its text weights kept
-    4-bit, as on a GPU (the W4A16 kernels)."""
+    """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch step,
+    after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens: the interpreter runs
+    every program in Python. With adapters: rows of adapters r8, none and r4's MLP part alone (from a LoraPool of
+    rank 16 slots, in the slot that r4 had) against the torch step's per-row deltas. md3-tiny: Moondream 3's layers
+    (tau from each row's position, for one or two rows in one kernel; the expert kernels). md2-tiny-4bit: its text
+    weights kept 4-bit, as on a GPU (the W4A16 kernels)."""
     import dataclasses
 
     from kestrel_backend.model.moondream import Moondream

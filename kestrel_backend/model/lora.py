@@ -20,7 +20,7 @@ from .config import TextConfig
 
 TARGETS = ("qkv", "proj", "fc1", "fc2")
 _TARGET_PATH = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
-_TARGET_KEY = re.compile(r"text\.blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.[AB]")  # (its path)
+_TARGET_KEY = re.compile(rf"text\.blocks\.\d+\.({'|'.join(map(re.escape, _TARGET_PATH.values()))})\.[AB]")
 # The reference's renaming of training-time names (applied in this order, every match replaced).
 _RENAME_RULES = [("text_model.transformer.h", "text.blocks"), (".mixer", ".attn"), (".out_proj", ".proj"),
                  (".Wqkv", ".qkv"), (".parametrizations.weight.0", "")]

@@ -51,8 +51,9 @@ class Generation:
         return True
 
     def banned_after_next_token(self) -> tuple[int, ...]:
-        """The tokens the choice after the next one bans (for a step launched before the next token is read)."""
-        return self.choice().banned
+        """The tokens the choice after the next one bans (for a step launched before the next token is read): asked
+        only of generations that feed back their tokens."""
+        raise NotImplementedError
 
     def on_output(self, token: int, hidden: torch.Tensor) -> NextInput:
         raise NotImplementedError
@@ -77,14 +78,17 @@ class TextGeneration(Generation):
         self._seed = _seed(settings) if seed is None else seed
 
     def choice(self) -> Choice:
-        banned = (self.tok.answer_id,) if self._steps or self.tok.answer_marker_banned_from_start else ()
-        return Choice(self.settings.temperature, self.settings.top_p, self._seed, self._steps, banned)
+        settings = self.settings
+        return Choice(settings.temperature, settings.top_p, self._seed, self._steps, self._banned(self._steps))
+
+    def _banned(self, steps: int) -> tuple[int, ...]:
+        return (self.tok.answer_id,) if steps or self.tok.answer_marker_banned_from_start else ()
 
     def may_continue_after_next_token(self) -> bool:
         return len(self.tokens) + 1 < self.settings.max_tokens
 
     def banned_after_next_token(self) -> tuple[int, ...]:
-        return (self.tok.answer_id,)
+        return self._banned(self._steps + 1)
 
     def on_output(self, token, hidden) -> NextInput:
         self._steps += 1
