@@ -4,6 +4,10 @@
     python benchmarks/triton_bench.py --checkpoint tests/fixtures/md2-tiny --concurrency 1 2  (CPU smoke run)
     python benchmarks/triton_bench.py --fresh-images  (every request a new image: no image or prefix cache hits)
     python benchmarks/triton_bench.py --requests-per-stream 8  (longer levels: a closed loop's steady state)
+    python benchmarks/triton_bench.py --gpus 1 2 4 --fresh-images --questions-per-image 2 --model moondream3
+        (one server after another on 1, 2 and 4 GPUs of this machine, the several-GPU config past one; two
+         questions on each fresh image, sent together, as in Kestrel's method: the prefix-cache hit rate shows
+         how often Triton gives both to the same engine)
 
 Writes a FULL-SIZE Moondream 2 checkpoint of random bf16 weights (with the fixture's tokenizer) to a
 temporary folder, starts tritonserver on model_repository/ with it (kestrel_backend.triton.local_server),
@@ -43,21 +47,36 @@ from kestrel_backend.config import TINY_CHECKPOINT  # noqa: E402
 from kestrel_backend.triton.local_server import server_command  # noqa: E402
 
 
-def write_checkpoint(folder: Path) -> None:
+def write_checkpoint(folder: Path, family: str = "moondream2") -> None:
+    """Full-size random bf16 weights of `family` (made on the GPU when there is one: Moondream 3's 9B parameters
+    take minutes on the CPU)."""
     import torch
     from safetensors.torch import save_file
 
     from kestrel_backend.model.config import MoondreamConfig
     from kestrel_backend.model.weights import random_state
 
-    save_file(random_state(MoondreamConfig(), dtype=torch.bfloat16), str(folder / "model.safetensors"))
+    config = {"model_type": family} if family == "moondream3" else {}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    state = {k: v.cpu() for k, v in random_state(MoondreamConfig.from_dict(config), torch.bfloat16, device).items()}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
     shutil.copy(TINY_CHECKPOINT / "tokenizer.json", folder / "tokenizer.json")
+    del state
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
-def start_server(checkpoint: Path, work: Path, max_batch: int, ports: tuple[int, int, int], log) -> subprocess.Popen:
-    """ports: (http, grpc, metrics)."""
+def start_server(checkpoint: Path, work: Path, max_batch: int, ports: tuple[int, int, int], log,
+                 gpus: int | None = None) -> subprocess.Popen:
+    """ports: (http, grpc, metrics). gpus: serve on the first `gpus` GPUs (past one, the several-GPU config: one
+    engine per GPU); None: as the environment says."""
     cmd, env = server_command(*ports, work=work)
     env.update(KESTREL_MODEL_PATH=str(checkpoint), KESTREL_MAX_BATCH_SIZE=str(max_batch), KESTREL_MAX_QUEUE="4096")
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
+        if gpus > 1:
+            cmd.append("--model-config-name=multi_gpu")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -81,7 +100,8 @@ def wait_ready(url: str, server: subprocess.Popen, timeout: float, model: str = 
 
 @contextlib.contextmanager
 def served(max_batch: int, ports: tuple[int, int, int], checkpoint: Path | None = None, log_path: Path | None = None,
-           ready_timeout: float = 600, stop_timeout: float = 90, stopped: dict | None = None):
+           ready_timeout: float = 600, stop_timeout: float = 90, stopped: dict | None = None, gpus: int | None = None,
+           family: str = "moondream2"):
     """tritonserver serving `checkpoint` (default: full-size random bf16 weights written to a temporary folder)
     -> (the server process, seconds until the model was ready). On leaving, it is told to stop and killed if it
     has not within stop_timeout; `stopped` gets its exit code, how long stopping took, whether it was killed and
@@ -91,9 +111,9 @@ def served(max_batch: int, ports: tuple[int, int, int], checkpoint: Path | None 
         if checkpoint is None:
             checkpoint = folder / "checkpoint"
             checkpoint.mkdir()
-            write_checkpoint(checkpoint)
-        with open(log_path or folder / "tritonserver.log", "w") as log:
-            server = start_server(checkpoint, folder / "runtime", max_batch, ports, log)
+            write_checkpoint(checkpoint, family)
+        with open(log_path or folder / "tritonserver.log", "a") as log:
+            server = start_server(checkpoint, folder / "runtime", max_batch, ports, log, gpus)
             try:
                 try:
                     ready_s = wait_ready(f"localhost:{ports[1]}", server, ready_timeout)
@@ -116,7 +136,8 @@ def served(max_batch: int, ports: tuple[int, int, int], checkpoint: Path | None 
 
 SERVER_SUMS = {"kestrel_time_to_first_token_seconds_sum": "engine_ttft_s", "kestrel_time_to_first_token_seconds_count":
                "engine_ttft_count", "nv_inference_queue_duration_us": "triton_queue_us",
-               "nv_inference_compute_input_duration_us": "triton_input_us", "nv_inference_request_success": "requests"}
+               "nv_inference_compute_input_duration_us": "triton_input_us", "nv_inference_request_success": "requests",
+               "kestrel_prefix_cache_hits_total": "prefix_hits"}
 
 
 def server_sums(metrics_url: str) -> dict[str, float]:
@@ -128,7 +149,8 @@ def server_sums(metrics_url: str) -> dict[str, float]:
 def server_means(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in before}
     n = max(d["requests"], 1)
-    return {"engine_ttft_mean_ms": 1000 * d["engine_ttft_s"] / max(d["engine_ttft_count"], 1),
+    return {"prefix_cache_hits": d["prefix_hits"],
+            "engine_ttft_mean_ms": 1000 * d["engine_ttft_s"] / max(d["engine_ttft_count"], 1),
             "triton_queue_mean_ms": d["triton_queue_us"] / n / 1000,
             "triton_input_mean_ms": d["triton_input_us"] / n / 1000}
 
@@ -227,62 +249,80 @@ def main() -> int:
     p.add_argument("--grpc-port", type=int, default=8101, help="HTTP takes the port below, metrics the one above")
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--checkpoint", type=Path, help="serve this checkpoint instead of random full-size weights")
+    p.add_argument("--model", default="moondream2", choices=["moondream2", "moondream3"],
+                   help="the family of the random full-size weights")
+    p.add_argument("--max-batch", type=int, help="KESTREL_MAX_BATCH_SIZE of each engine (default: the largest "
+                   "concurrency)")
+    p.add_argument("--gpus", type=int, nargs="+", help="serve on the first N GPUs, one server after another for each "
+                   "N (past one, the multi_gpu config: one engine per GPU)")
     p.add_argument("--out", type=Path)
     p.add_argument("--log", type=Path, help="tritonserver's output (default: a temporary file)")
     p.add_argument("--client-processes", type=int, default=1, help="share each level's streams over this many "
                    "client processes (one asyncio client each)")
     p.add_argument("--fresh-images", action="store_true", help="every request brings an image the server has not "
                    "seen (decode, vision encoder and whole prefill each time), instead of 8 images over and over")
+    p.add_argument("--questions-per-image", type=int, default=1, help="with --fresh-images: each new image is asked "
+                   "this many questions, sent one after another")
     p.add_argument("--requests-per-stream", type=int, default=2, help="each level's requests a stream: more, "
                    "for a closed loop's steady state rather than its first wave")
     args = p.parse_args()
-    per_stream = args.requests_per_stream
+    per_stream, repeat = args.requests_per_stream, args.questions_per_image
     cached, seen = (None if args.fresh_images else query_images()), 0
 
     def images_for(concurrency: int) -> list[bytes]:
         nonlocal seen
         if cached is not None:
             return cached
-        seen += per_stream * concurrency
-        return fresh_images(per_stream * concurrency, seen - per_stream * concurrency)
+        n = -(-per_stream * concurrency // repeat)
+        seen += n
+        return [image for image in fresh_images(n, seen - n) for _ in range(repeat)]
     ports = (args.grpc_port - 1, args.grpc_port, args.grpc_port + 1)  # http, grpc, metrics
     url, metrics_url = f"localhost:{ports[1]}", f"http://localhost:{ports[2]}/metrics"
-    stopped = {}
     pool = None
     if args.client_processes > 1:
         pool = ProcessPoolExecutor(args.client_processes, mp_context=multiprocessing.get_context("spawn"))
-    with pool or contextlib.nullcontext(), served(max(args.concurrency), ports, args.checkpoint, args.log,
-                                                  args.ready_timeout, stop_timeout=60, stopped=stopped) as (_, ready_s):
-        print(f"model ready after {ready_s:.1f} s", flush=True)
-        procs = args.client_processes
-        # warm-up: graphs, and unless fresh images are asked for, the image and prefix caches
-        fresh = args.fresh_images
-        level(url, images_for(max(args.concurrency)), max(args.concurrency), args.max_tokens, pool, procs, fresh,
-              per_stream)
-        rows = []
-        for c in args.concurrency:
-            images = images_for(c)
-            before = server_sums(metrics_url)
-            rows.append(level(url, images, c, args.max_tokens, pool, procs, fresh, per_stream))
-            time.sleep(1.5)  # (Triton refreshes its metrics about every second)
-            rows[-1].update(server_means(before, server_sums(metrics_url)))
-    if stopped["killed"]:
-        raise SystemExit(f"tritonserver did not stop within 60 s, killed ({stopped})")
-    print("| concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | engine TTFT p50 ms | "
-          "outside the engine p50 ms | server: engine TTFT mean ms | Triton queue ms | Triton input ms | "
-          "client CPU share |\n" + "| --- " * 12 + "|")
-    for r in rows:
-        print(f"| {r['concurrency']} | {r['requests']} | {r['req_per_s']:.1f} | {r['output_tok_per_s']:.0f} | "
-              f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | {r['engine_ttft_p50_ms']:.0f} | "
-              f"{r['ttft_outside_engine_p50_ms']:.1f} | {r['engine_ttft_mean_ms']:.0f} | "
-              f"{r['triton_queue_mean_ms']:.1f} | {r['triton_input_mean_ms']:.1f} | {r['client_cpu_share']:.2f} |")
-    if args.out:
-        args.out.write_text(json.dumps({"ready_s": ready_s, "max_tokens": args.max_tokens, "fresh_images":
-                                        args.fresh_images, "client_processes": args.client_processes,
-                                        "requests_per_stream": per_stream, "levels": rows, "stopped": stopped},
-                                       indent=1))
-    if stopped["stub_fatal_errors"]:
-        raise SystemExit(f"the Python backend's stub crashed ({stopped})")
+    runs = []
+    with pool or contextlib.nullcontext(), tempfile.TemporaryDirectory() as tmp:
+        checkpoint = args.checkpoint
+        if checkpoint is None:  # written once for every server of the run
+            checkpoint = Path(tmp)
+            write_checkpoint(checkpoint, args.model)
+        for gpus in args.gpus or [None]:
+            stopped = {}
+            with served(args.max_batch or max(args.concurrency), ports, checkpoint, args.log, args.ready_timeout,
+                        stop_timeout=60, stopped=stopped, gpus=gpus) as (_, ready_s):
+                print(f"model ready after {ready_s:.1f} s ({gpus or 'default'} GPUs)", flush=True)
+                procs = args.client_processes
+                # warm-up: graphs, and unless fresh images are asked for, the image and prefix caches
+                fresh = args.fresh_images
+                level(url, images_for(max(args.concurrency)), max(args.concurrency), args.max_tokens, pool, procs,
+                      fresh, per_stream)
+                rows = []
+                for c in args.concurrency:
+                    images = images_for(c)
+                    before = server_sums(metrics_url)
+                    rows.append(level(url, images, c, args.max_tokens, pool, procs, fresh, per_stream))
+                    time.sleep(1.5)  # (Triton refreshes its metrics about every second)
+                    rows[-1].update(server_means(before, server_sums(metrics_url)), gpus=gpus)
+                    rows[-1]["prefix_hit_rate"] = rows[-1]["prefix_cache_hits"] / rows[-1]["requests"]
+            if stopped["killed"]:
+                raise SystemExit(f"tritonserver did not stop within 60 s, killed ({stopped})")
+            runs.append({"gpus": gpus, "ready_s": ready_s, "levels": rows, "stopped": stopped})
+            if args.out:  # (after every server: a later one failing keeps what was measured)
+                args.out.write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
+                                                "fresh_images": args.fresh_images, "questions_per_image": repeat,
+                                                "client_processes": args.client_processes,
+                                                "requests_per_stream": per_stream, "runs": runs}, indent=1))
+    print("| GPUs | concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | engine TTFT p50 ms | "
+          "outside the engine p50 ms | prefix hits / request | Triton queue ms | client CPU share |\n" + "| --- " * 12 + "|")
+    for run in runs:
+        for r in run["levels"]:
+            print(f"| {run['gpus'] or ''} | {r['concurrency']} | {r['requests']} | {r['req_per_s']:.1f} | "
+                  f"{r['output_tok_per_s']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
+                  f"{r['engine_ttft_p50_ms']:.0f} | {r['ttft_outside_engine_p50_ms']:.1f} | "
+                  f"{r['prefix_hit_rate']:.2f} | {r['triton_queue_mean_ms']:.1f} | {r['client_cpu_share']:.2f} |")
+    if any(run["stopped"]["stub_fatal_errors"] for run in runs):
+        raise SystemExit(f"the Python backend's stub crashed ({[run['stopped'] for run in runs]})")
     return 0
 
 

@@ -37,17 +37,22 @@ def _bool_input(name: str, value: bool) -> grpcclient.InferInput:
 
 
 def build_inputs(skill: str, image: bytes | None = None, question: str | None = None, object: str | None = None,
-                 length: str | None = None, stream: bool = False, reasoning: bool = False,
-                 settings: dict | None = None, spatial_refs=None) -> list[grpcclient.InferInput]:
-    """spatial_refs (query): points (x, y) or boxes (x_min, y_min, x_max, y_max) in [0, 1], all of one kind."""
+                 length: str | None = None, stream: bool = False, reasoning: bool | None = None,
+                 settings: dict | None = None, spatial_refs=None, messages: list | None = None
+                 ) -> list[grpcclient.InferInput]:
+    """spatial_refs (query): points (x, y) or boxes (x_min, y_min, x_max, y_max) in [0, 1], all of one kind.
+    messages (chat): OpenAI-style messages; an image part may be {"type": "image", "index": 0}, the image sent as
+    IMAGE. reasoning: None leaves the skill's default (off for query, on for chat where the model has it)."""
     inputs = [_bytes_input("SKILL", skill.encode())]
+    if messages is not None:
+        inputs.append(_bytes_input("MESSAGES", json.dumps(messages).encode()))
     for name, value in (("IMAGE", image), ("QUESTION", question), ("OBJECT", object), ("LENGTH", length)):
         if value is not None:
             inputs.append(_bytes_input(name, value if isinstance(value, bytes) else value.encode()))
     if stream:
         inputs.append(_bool_input("STREAM", True))
-    if reasoning:
-        inputs.append(_bool_input("REASONING", True))
+    if reasoning is not None:
+        inputs.append(_bool_input("REASONING", reasoning))
     if settings is not None:
         inputs.append(_bytes_input("SETTINGS", json.dumps(settings).encode()))
     if spatial_refs:
@@ -127,6 +132,12 @@ class MoondreamClient:
         return self._one("query", image=image, question=question, reasoning=reasoning, settings=settings,
                          spatial_refs=spatial_refs)
 
+    def chat(self, messages: list, image: bytes | None = None, reasoning: bool | None = None,
+             settings: dict | None = None) -> dict:
+        """{"message": {"role": "assistant", "content", ...}, "finish_reason", "metrics"}. image: the bytes that a
+        {"type": "image", "index": 0} part of the first user message refers to."""
+        return self._one("chat", image=image, messages=messages, reasoning=reasoning, settings=settings)
+
     def caption(self, image: bytes, length: str = "normal", settings: dict | None = None) -> dict:
         return self._one("caption", image=image, length=length, settings=settings)
 
@@ -160,6 +171,9 @@ class AsyncMoondreamClient:
 
     async def query(self, question: str, image: bytes | None = None, **kw) -> dict:
         return await asyncio.to_thread(self._sync.query, question, image, **kw)
+
+    async def chat(self, messages: list, image: bytes | None = None, **kw) -> dict:
+        return await asyncio.to_thread(self._sync.chat, messages, image, **kw)
 
     async def caption(self, image: bytes, length: str = "normal", **kw) -> dict:
         return await asyncio.to_thread(self._sync.caption, image, length, **kw)

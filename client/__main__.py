@@ -1,4 +1,7 @@
-"""python -m client query|caption|detect|point|segment --url localhost:8001 --image PATH [--stream]"""
+"""python -m client query|caption|detect|point|segment|chat --url localhost:8001 --image PATH [--stream]
+
+chat: --messages '[{"role": "user", "content": "What is this?"}]' (the image, if given, joins the first user
+message)."""
 
 import argparse
 import json
@@ -10,19 +13,28 @@ from . import MoondreamClient, MoondreamError
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m client")
-    p.add_argument("skill", choices=["query", "caption", "detect", "point", "segment"])
+    p.add_argument("skill", choices=["query", "caption", "detect", "point", "segment", "chat"])
     p.add_argument("--url", default="localhost:8001")
     p.add_argument("--image")
     p.add_argument("--question")
     p.add_argument("--object")
     p.add_argument("--length")
-    p.add_argument("--reasoning", action="store_true")
+    p.add_argument("--messages", help="chat: a JSON list of OpenAI-style messages")
+    p.add_argument("--reasoning", action="store_true", default=None)
     p.add_argument("--settings", help="JSON object, e.g. '{\"max_tokens\": 64}'")
     p.add_argument("--stream", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0)
     a = p.parse_args(argv)
     kw = dict(image=Path(a.image).read_bytes() if a.image else None, question=a.question, object=a.object,
               length=a.length, reasoning=a.reasoning, settings=json.loads(a.settings) if a.settings else None)
+    if a.skill == "chat":
+        kw["messages"] = json.loads(a.messages or "[]")
+        if kw["image"] is not None:  # the image joins the first user message, as an index into IMAGE
+            first = next((m for m in kw["messages"] if m.get("role") == "user"), None)
+            if first is not None:
+                content = first["content"] if isinstance(first["content"], list) else \
+                    [{"type": "text", "text": first["content"]}]
+                first["content"] = [{"type": "image", "index": 0}] + content
     c = MoondreamClient(a.url, timeout=a.timeout)
     try:
         if a.stream:

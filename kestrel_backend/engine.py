@@ -27,6 +27,7 @@ from .runtime.kv_cache import PagedKVCache
 from .runtime.scheduler import Scheduler, make_crop_encoder, make_decoder, make_prefill_graphs
 from .runtime.segment_refiner import SegmentRefiner
 from .runtime.sequence import Delivery, EngineResult, Sequence, StreamChunk
+from .skills.chat import ChatMessage, chat_prompt, supports_reasoning
 from .skills.generation import Generation, ReasoningThenAnswer, RegionGeneration, SegmentGeneration, TextGeneration
 from .skills.prompts import caption_prompt, query_prompt, region_prompt, spatial_refs_start
 from .skills.settings import Settings
@@ -236,6 +237,18 @@ class InferenceEngine:
         s = self._settings(settings, greedy=True)
         return await self._submit("segment", self._need_image(image), ids, s, False, object_text=object.strip())
 
+    async def chat(self, messages: list[ChatMessage], reasoning: bool | None = None, stream: bool = False,
+                   settings: dict | None = None):
+        """A conversation (skills/chat.py: parse_messages), answered as its last user turn's query. reasoning: on by
+        default where the model has a reasoning marker, as in Kestrel's chat."""
+        tok = self.model.config.tokenizer
+        if reasoning is None:
+            reasoning = supports_reasoning(tok)
+        image = next((m.images[0] for m in messages if m.images), None)
+        ids = chat_prompt(tok, messages, lambda text: self.model.tokenizer.encode(text).ids, image is not None,
+                          reasoning)
+        return await self._submit("chat", image, ids, self._settings(settings), stream, reasoning=reasoning)
+
     async def submit_tokens(self, skill: str, image: bytes | None, ids: list[int], settings: dict | None = None,
                             stream: bool = False, reasoning: bool = False, spatial_refs=None):
         """Token-level entry (parity and tests): ids are the question (query), the object (point/detect),
@@ -342,6 +355,9 @@ class InferenceEngine:
             gen = self._generation(skill, settings, reasoning, object_text)
             prefix = self.model.config.text.prefix_attn if key is not None else 0
             prompt_len = prefix + len(ids)
+            if prompt_len >= self.max_context and skill == "chat":
+                raise InvalidRequest(f"MESSAGES: the conversation needs {prompt_len} positions with its image, more "
+                                     f"than the model's context of {self.max_context}; send fewer or shorter turns")
             if prompt_len >= self.max_context:
                 field = {"query": "QUESTION", "caption": "prompt"}.get(skill, "OBJECT")
                 raise InvalidRequest(f"{field} is too long: {prompt_len} tokens with the image, context is {self.max_context}")
@@ -386,7 +402,7 @@ def _use_device(device) -> None:
 
 def stream_text(skill: str, stream: bool) -> bool:
     """Only streamed text needs incremental detokenization; other text is decoded once at the end."""
-    return stream and skill in ("query", "caption")
+    return stream and skill in ("query", "caption", "chat")
 
 
 def _check_spatial_refs(refs, image) -> list[tuple[float, ...]]:

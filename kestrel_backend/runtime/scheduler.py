@@ -26,6 +26,7 @@ from ..errors import EngineError, RequestCancelled
 from ..model.layers import to_device
 from ..model.lora import LoraRows
 from ..model.moondream import Moondream
+from ..skills.chat import chat_message
 from ..skills.generation import ReasoningThenAnswer, RegionGeneration, SegmentGeneration
 from ..skills.sampling import launch_choice
 from ..skills.segment import coarse_segment
@@ -731,12 +732,15 @@ class Scheduler:
             if isinstance(gen, ReasoningThenAnswer):
                 output["reasoning"] = self._reasoning(gen)
                 n_out += len(gen.reasoning_tokens)
+            if seq.skill == "chat":
+                output = {"message": chat_message(output)}
         metrics = {
             "input_tokens": seq.input_tokens,
             "output_tokens": n_out,
             "prefill_time_ms": round(seq.prefill_ms, 3),
             "decode_time_ms": round((now - seq.t_first) * 1000, 3),
             "ttft_ms": round((seq.t_first - seq.t_submit) * 1000, 3),
+            "cached_tokens": seq.cached_tokens,
         }
         return EngineResult(output, gen.finish_reason, metrics)
 

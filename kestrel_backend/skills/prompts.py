@@ -20,20 +20,23 @@ def spatial_ref_tokens(tok: TokenizerConfig, refs) -> list[int]:
     return [i for ref in refs for i in ([tok.coord_id] * 2 + ([tok.size_id] if len(ref) == 4 else []))]
 
 
-def query_prompt(tok: TokenizerConfig, question_ids: list[int], has_image: bool, reasoning: bool,
-                 spatial_refs=()) -> list[int]:
-    """[BOS (text-only)] prefix, spatial-ref tokens, question, then the answer or the reasoning marker.
-    Moondream 2's template has a suffix (the answer marker), which the reference repeats unless it asks for
-    a reasoning trace (then the thinking marker follows it); Moondream 3's names answer_prefix and
-    reasoning_prefix."""
+def query_tail(tok: TokenizerConfig, reasoning: bool) -> list[int]:
+    """What ends a query's prompt: the answer marker, or the reasoning marker. Moondream 2's template has a suffix
+    (the answer marker), which the reference repeats unless it asks for a reasoning trace (then the thinking marker
+    follows it); Moondream 3's names answer_prefix and reasoning_prefix."""
     t = template(tok, "query")
     if "answer_prefix" in t:
-        tail = t["reasoning_prefix"] if reasoning else t["answer_prefix"]
-    else:
-        if reasoning and t["suffix"] != [tok.answer_id]:
-            raise InvalidRequest("REASONING is not supported by this model (its query template has no answer marker)")
-        tail = t["suffix"] + ([tok.thinking_id] if reasoning else t["suffix"])
-    ids = t["prefix"] + spatial_ref_tokens(tok, spatial_refs) + question_ids + tail
+        return t["reasoning_prefix"] if reasoning else t["answer_prefix"]
+    if reasoning and t["suffix"] != [tok.answer_id]:
+        raise InvalidRequest("REASONING is not supported by this model (its query template has no answer marker)")
+    return t["suffix"] + ([tok.thinking_id] if reasoning else t["suffix"])
+
+
+def query_prompt(tok: TokenizerConfig, question_ids: list[int], has_image: bool, reasoning: bool,
+                 spatial_refs=()) -> list[int]:
+    """[BOS (text-only)] prefix, spatial-ref tokens, question, then the answer or the reasoning marker."""
+    ids = template(tok, "query")["prefix"] + spatial_ref_tokens(tok, spatial_refs) + question_ids + \
+        query_tail(tok, reasoning)
     return ids if has_image else [tok.bos_id] + ids
 
 

@@ -85,7 +85,7 @@ class TritonAdapter:
         REQUEST_ARRIVAL.set(received)  # (this task's context only)
         outcome, result = "error", None
         try:
-            if wire.stream and wire.skill in ("query", "caption"):
+            if wire.stream and wire.skill in ("query", "caption", "chat"):
                 result = await self._serve_stream(request_id, wire, sender)
             else:
                 result = await self._call(wire, stream=False)
@@ -117,8 +117,10 @@ class TritonAdapter:
     async def _call(self, wire: WireRequest, stream: bool):
         e = self.engine
         if wire.skill == "query":
-            return await e.query(wire.image, wire.question or "", wire.reasoning, stream, wire.settings,
+            return await e.query(wire.image, wire.question or "", bool(wire.reasoning), stream, wire.settings,
                                  wire.spatial_refs)
+        if wire.skill == "chat":
+            return await e.chat(wire.messages, wire.reasoning, stream, wire.settings)
         if wire.skill == "caption":
             return await e.caption(wire.image, wire.length, stream, wire.settings)
         return await getattr(e, wire.skill)(wire.image, wire.object or "", wire.settings)

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
-import re
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
+from ..data_urls import image_bytes
 from ..errors import InvalidRequest
 from ..runtime.sequence import EngineResult
+from ..skills.chat import ChatMessage, parse_messages
 
-SKILLS = ("query", "caption", "detect", "point", "segment")
+SKILLS = ("query", "caption", "detect", "point", "segment", "chat")
 
 
 @dataclass(frozen=True)
@@ -25,9 +24,10 @@ class WireRequest:
     object: str | None
     length: str
     stream: bool
-    reasoning: bool
+    reasoning: bool | None  # None: not sent (the skill's default)
     settings: dict | None
     spatial_refs: list[tuple[float, ...]] | None = None
+    messages: list[ChatMessage] | None = None  # chat
 
 
 def _one(name: str, arr: np.ndarray):
@@ -49,35 +49,6 @@ def _bytes(name: str, arr: np.ndarray | None) -> bytes | None:
     return bytes(value)
 
 
-_BASE64 = re.compile(rb"[A-Za-z0-9+/_\-\s]+={0,2}\s*")
-
-
-def image_bytes(raw: bytes | None) -> bytes | None:
-    """IMAGE as sent: encoded image bytes (gRPC), or, where only text can travel (JSON over HTTP), base64 text or
-    a `data:image/...;base64,` URL (what Kestrel's HTTP API takes as image_url). Encoded images start with
-    binary magic bytes, so they never pass for base64 text."""
-    if raw is None or not raw:
-        return raw
-    if raw.startswith(b"data:"):
-        header, comma, payload = raw.partition(b",")
-        if not comma or not header.endswith(b";base64"):
-            raise InvalidRequest("IMAGE data URL must be data:image/<type>;base64,<data>")
-        return _base64(payload, "IMAGE data URL's payload is not valid base64")
-    if _BASE64.fullmatch(raw):
-        return _base64(raw, "IMAGE is neither image bytes nor valid base64")
-    return raw
-
-
-def _base64(text: bytes, error: str) -> bytes:
-    text = re.sub(rb"\s", b"", text)
-    try:
-        if b"-" in text or b"_" in text:
-            return base64.urlsafe_b64decode(text + b"=" * (-len(text) % 4))
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequest(error) from None
-
-
 def _text(name: str, arr: np.ndarray | None) -> str | None:
     raw = _bytes(name, arr)
     if raw is None:
@@ -88,9 +59,9 @@ def _text(name: str, arr: np.ndarray | None) -> str | None:
         raise InvalidRequest(f"{name} is not valid UTF-8 text") from None
 
 
-def _flag(name: str, arr: np.ndarray | None) -> bool:
+def _flag(name: str, arr: np.ndarray | None) -> bool | None:
     if arr is None:
-        return False
+        return None
     if arr.dtype != np.bool_:
         raise InvalidRequest(f"{name} must be a BOOL tensor, got {arr.dtype}")
     return bool(_one(name, arr))
@@ -141,22 +112,33 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
             settings = json.loads(settings)
         except json.JSONDecodeError as e:
             raise InvalidRequest(f"SETTINGS is not valid JSON: {e.msg}") from None
+        except RecursionError:
+            raise InvalidRequest("SETTINGS is nested too deeply") from None
         if not isinstance(settings, dict):
             raise InvalidRequest("SETTINGS must be a JSON object")
     settings = _merge_setting_tensors(get, settings)
     spatial_refs = _spatial_refs(get("SPATIAL_REFS"))
     if spatial_refs is not None and skill != "query":
         raise InvalidRequest(f"SPATIAL_REFS is only taken by the query skill, not {skill}")
+    image = image_bytes(_bytes("IMAGE", get("IMAGE")))
+    messages = _text("MESSAGES", get("MESSAGES"))
+    if skill == "chat":
+        if messages is None:
+            raise InvalidRequest("MESSAGES is required for SKILL chat")
+        messages = parse_messages(messages, [image] if image else [])
+    elif messages is not None:
+        raise InvalidRequest(f"MESSAGES is only taken by the chat skill, not {skill}")
     return WireRequest(
         skill=skill,
-        image=image_bytes(_bytes("IMAGE", get("IMAGE"))),
+        image=image,
         question=_text("QUESTION", get("QUESTION")),
         object=_text("OBJECT", get("OBJECT")),
         length=_text("LENGTH", get("LENGTH")) or "normal",
-        stream=_flag("STREAM", get("STREAM")),
+        stream=bool(_flag("STREAM", get("STREAM"))),
         reasoning=_flag("REASONING", get("REASONING")),
         settings=settings,
         spatial_refs=spatial_refs,
+        messages=messages,
     )
 
 

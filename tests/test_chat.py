@@ -1,0 +1,139 @@
+"""Chat on the tiny checkpoint (CPU): the conversation's prompt layout, its answers alone and batched, bad input."""
+
+import asyncio
+
+import pytest
+
+from kestrel_backend.config import RuntimeConfig
+from kestrel_backend.engine import InferenceEngine, InvalidRequest
+from kestrel_backend.images import decode_image
+from kestrel_backend.skills.chat import ChatMessage, chat_prompt, parse_messages
+from kestrel_backend.skills.generation import Prompt, ReasoningThenAnswer, TextGeneration
+from kestrel_backend.skills.prompts import query_prompt
+from kestrel_backend.skills.settings import Settings
+from kestrel_backend.skills.single import run_single
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               max_batch_size=8, max_queue=64, max_step_tokens=0))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def jpeg(tiny_dir):
+    return (tiny_dir / "images" / "small.png").read_bytes()
+
+
+def conversation(image: bytes | None) -> list[dict]:
+    first = [{"type": "text", "text": "Describe it."}]
+    if image is not None:
+        first.insert(0, {"type": "image", "index": 0})
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": first},
+            {"role": "assistant", "content": "A small picture."}, {"role": "user", "content": "What colour is it?"}]
+
+
+def test_one_user_turn_is_exactly_a_query(engine, jpeg):
+    """The layout Kestrel renders: a single user turn with its image is the query prompt, token for token, so it
+    gets the query's answer (greedy)."""
+    tok, encode = engine.model.config.tokenizer, lambda t: engine.model.tokenizer.encode(t).ids
+    for reasoning in (False, True):
+        messages = [ChatMessage("user", "What is this?", (jpeg,))]
+        assert chat_prompt(tok, messages, encode, True, reasoning) == query_prompt(tok, encode("What is this?"), True,
+                                                                                     reasoning)
+    settings = {"temperature": 0, "max_tokens": 12}
+
+    async def both():
+        chat = await engine.chat(parse_messages([{"role": "user", "content": [
+            {"type": "image", "index": 0}, {"type": "text", "text": "What is this?"}]}], [jpeg]), False, False,
+            settings)
+        query = await engine.query(jpeg, "What is this?", False, False, settings)
+        return chat, query
+    chat, query = asyncio.run(both())
+    assert chat.output["message"] == {"role": "assistant", "content": query.output["answer"]}
+    assert chat.metrics["input_tokens"] == query.metrics["input_tokens"]
+
+
+def test_history_layout(engine):
+    """System folded into the first user turn; each user turn is the query prefix and text, each reply follows the
+    answer marker; the last turn ends with the reasoning marker when reasoning is on."""
+    tok, encode = engine.model.config.tokenizer, lambda t: engine.model.tokenizer.encode(t).ids
+    q = tok.templates["query"]
+    messages = parse_messages(conversation(None), [])
+    expected = [tok.bos_id] + q["prefix"] + encode("Be brief.\n\nDescribe it.") + q["suffix"] * 2 + \
+        encode("A small picture.") + q["prefix"] + encode("What colour is it?") + q["suffix"] + [tok.thinking_id]
+    assert chat_prompt(tok, messages, encode, False, True) == expected
+
+
+def test_conversations_batched_equal_each_alone_on_the_single_request_path(engine, jpeg):
+    """Chat requests with and without an image, reasoning on (the default) and off, share batches with queries and
+    get what each gets alone on the dense single-request path; no page is left held."""
+    model, tok = engine.model, engine.model.config.tokenizer
+    encode = lambda t: model.tokenizer.encode(t).ids  # noqa: E731
+    settings = {"temperature": 0, "max_tokens": 10}
+    cases = [(conversation(jpeg), None), (conversation(None), False), (conversation(jpeg), False),
+             ([{"role": "user", "content": "Hello"}], None)]
+
+    def alone(raw, reasoning):
+        messages = parse_messages(raw, [jpeg])
+        reasoning = True if reasoning is None else reasoning
+        has_image = any(m.images for m in messages)
+        ids = chat_prompt(tok, messages, encode, has_image, reasoning)
+        embedding = model.encode_image(decode_image(jpeg)) if has_image else None
+        s = Settings.from_dict(settings, max_tokens_limit=2048, max_objects_limit=50)
+        gen = ReasoningThenAnswer(tok, s, model) if reasoning else TextGeneration(tok, s)
+        run_single(model, Prompt(ids, embedding), gen)
+        return model.tokenizer.decode(gen.tokens)
+
+    expected = [alone(raw, r) for raw, r in cases]
+
+    async def together():
+        return await asyncio.gather(*[engine.chat(parse_messages(raw, [jpeg]), r, False, settings) for raw, r in cases],
+                                    engine.query(jpeg, "What is this?", False, False, settings))
+    results = asyncio.run(together())
+    for (raw, reasoning), want, got in zip(cases, expected, results):
+        assert got.output["message"]["content"] == want
+        assert ("reasoning" in got.output["message"]) == (reasoning is None)
+    assert engine.no_request_holds_pages()
+
+
+def test_a_second_turn_on_the_same_image_reads_its_prefix_from_the_cache(engine, jpeg):
+    settings = {"temperature": 0, "max_tokens": 4}
+
+    async def turns():
+        first = await engine.chat(parse_messages(conversation(jpeg)[:2], [jpeg]), False, False, settings)
+        second = await engine.chat(parse_messages(conversation(jpeg), [jpeg]), False, False, settings)
+        return first, second
+    first, second = asyncio.run(turns())
+    assert second.metrics["cached_tokens"] >= 720 and second.metrics["input_tokens"] > first.metrics["input_tokens"]
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("[", "MESSAGES is not valid JSON"),
+    ("[]", "non-empty"),
+    ('[{"role": "robot", "content": "hi"}]', "role must be one of"),
+    ('[{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}]', "system message may only come first"),
+    ('[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]', "last message must be the user"),
+    ('[{"role": "user", "content": [{"type": "image", "index": 3}]}]', "index must name one of the 1 images"),
+    ('[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]',
+     "only data URLs"),
+    ('[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]',
+     "not valid base64"),
+    ('[{"role": "assistant", "content": [{"type": "image", "index": 0}]}, {"role": "user", "content": "hi"}]',
+     "user messages only"),
+    ('[{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "image", "index": 0}]}]',
+     "one image a conversation, in its first user message"),
+    ("[" * 100000, "MESSAGES is"),
+])
+def test_bad_messages_are_refused_naming_the_problem(raw, message):
+    with pytest.raises(InvalidRequest, match=message):
+        parse_messages(raw, [b"\x89PNG..."])
+
+
+def test_a_conversation_longer_than_the_context_is_refused_naming_the_positions(engine):
+    long = [{"role": "user", "content": "word " * 3000}]
+    with pytest.raises(InvalidRequest, match=r"needs \d+ positions"):
+        asyncio.run(engine.chat(parse_messages(long, []), False, False, {"max_tokens": 4}))
+    assert engine.no_request_holds_pages()
