@@ -10,3 +10,8 @@ pip install -q --upgrade pip
 pip install -q torch==2.13.0  # CPU build from local disk on the dev/CI machines
 pip install -q -e ".[client${1:+,$1}]"
 pip install -q --no-deps nvidia-pytriton==0.7.0
+if [ "${1:-}" = test ]; then
+    # the official Moondream client, the gateway tests' caller: its metadata pulls in Kestrel, which its HTTP client
+    # never imports, so without its dependencies (Pillow, the one it uses, comes with the test extra)
+    pip install -q --no-deps moondream==2.6.1
+fi

@@ -104,3 +104,49 @@ def triton_server(tmp_path_factory):
                            HF_TOKEN="hf_secret_token_must_not_be_logged", KESTREL_ADAPTER_DIR=str(TINY / "adapters"))
     yield server
     server.stop()
+
+
+class GatewayProcess:
+    """The gateway (python -m kestrel_backend.gateway) on a free port in front of the given tritonservers."""
+
+    def __init__(self, work, tritons: list[str], *args: str, env: dict | None = None):
+        import os
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        port = _free_port()
+        cmd = [sys.executable, "-m", "kestrel_backend.gateway", "--port", str(port), "--host", "127.0.0.1",
+               "--refresh-s", "0.5", *[a for t in tritons for a in ("--triton", t)], *args]
+        self.log = work / f"gateway-{port}.log"
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited: {self.log.read_text()[-3000:]}")
+            try:
+                if urllib.request.urlopen(self.url + "/readyz", timeout=2).status == 200:
+                    return
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"the gateway was not ready: {self.log.read_text()[-3000:]}")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+GATEWAY_KEY = "test-key-1"
+
+
+@pytest.fixture(scope="session")
+def gateway(triton_server, tmp_path_factory):
+    """The gateway in front of the session's tritonserver, with an API key, serving the name `moondream2`."""
+    g = GatewayProcess(tmp_path_factory.mktemp("gateway"), [triton_server["grpc"]], "--model-name", "moondream2",
+                       env={"KESTREL_GATEWAY_API_KEYS": f"{GATEWAY_KEY}, other-key"})
+    yield g
+    g.stop()

@@ -1,0 +1,1 @@
+"""The Moondream API and OpenAI chat completions in front of tritonserver (python -m kestrel_backend.gateway)."""

@@ -1,0 +1,182 @@
+"""The gateway's HTTP application (Starlette): routes, API keys, errors, metrics, health.
+
+Each request is one call of the moondream model over its own gRPC stream to the replica upstream.py picks. A
+client that goes away cancels its call (its KV pages come back on the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import moondream_api, openai_chat
+from .errors import ApiError
+from .payloads import Limits, json_body
+from .upstream import Upstream
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class GatewayConfig:
+    upstream: Upstream
+    served: list[str]  # model names the `model` field may take (the first is the default)
+    api_keys: frozenset[str] = frozenset()  # empty: open (keep it behind an ingress)
+    limits: Limits = field(default_factory=Limits)
+    request_timeout_s: float = 300.0
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kestrel_gateway_requests_total", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.latency = Histogram("kestrel_gateway_request_duration_seconds", "Time to the response's headers (to "
+                                 "the last event for streams), by endpoint", ["endpoint"], registry=self.registry)
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    metrics = Metrics()
+
+    def endpoint(name: str, handler, authenticated: bool = True):
+        async def serve(request: Request) -> Response:
+            t0 = time.perf_counter()
+            try:
+                if authenticated:
+                    _check_key(request, config.api_keys)
+                response = await handler(request)
+            except ApiError as e:
+                response = e.response()
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = _timed(response.body_iterator, metrics, name, t0)
+            else:
+                metrics.latency.labels(name).observe(time.perf_counter() - t0)
+            metrics.requests.labels(name, str(response.status_code)).inc()
+            return response
+        return serve
+
+    async def moondream(request: Request) -> Response:
+        skill = request.url.path.rsplit("/", 1)[-1]
+        call = await moondream_api.parse(skill, await json_body(request, config.limits), config.limits, config.served)
+        bodies = config.upstream.call(call.inputs, call.key, config.request_timeout_s)
+        if call.stream:
+            return await _stream(moondream_api.events(skill, bodies))
+        return JSONResponse(moondream_api.result(skill, await _last(bodies, request)))
+
+    async def chat(request: Request) -> Response:
+        body = await json_body(request, config.limits)
+        call, model = await openai_chat.parse(body, config.limits, config.served)
+        bodies = config.upstream.call(call.inputs, call.key, config.request_timeout_s)
+        if call.stream:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await _stream(openai_chat.events(bodies, model, include_usage))
+        return JSONResponse(openai_chat.completion(await _last(bodies, request), model))
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                                          "owned_by": "kestrel-triton"} for name in config.served]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        if config.upstream.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "no tritonserver replica is ready"}, status_code=503)
+
+    async def scrape(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await config.upstream.start()
+        yield
+        await config.upstream.close()
+
+    routes = [Route(f"/v1/{skill}", endpoint(skill, moondream), methods=["POST"])
+              for skill in ("query", "caption", "detect", "point", "segment")]
+    routes += [Route("/v1/chat/completions", endpoint("chat", chat), methods=["POST"]),
+               Route("/v1/models", endpoint("models", models), methods=["GET"]),
+               Route("/healthz", endpoint("healthz", health, authenticated=False), methods=["GET"]),
+               Route("/readyz", endpoint("readyz", ready, authenticated=False), methods=["GET"]),
+               Route("/metrics", scrape, methods=["GET"])]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _check_key(request: Request, keys: frozenset[str]) -> None:
+    if not keys:
+        return
+    given = request.headers.get("x-moondream-auth")
+    auth = request.headers.get("authorization", "")
+    if given is None and auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    if not given or not any(hmac.compare_digest(given, key) for key in keys):
+        raise ApiError(401, "a valid API key is required (X-Moondream-Auth, or Authorization: Bearer)")
+
+
+async def _last(bodies, request: Request) -> dict:
+    """The call's final body, or its error; cancelled if the client disconnects first."""
+    async def final():
+        last = None
+        async for body in bodies:
+            last = body
+        if last is None:
+            raise ApiError(502, "the server ended the request without an answer")
+        return last
+
+    task = asyncio.ensure_future(final())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():  # the client went away: the call is cancelled on its replica
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await bodies.aclose()
+        raise ApiError(499, "the client closed the connection")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream(events) -> Response:
+    """Server-sent events, once the first is ready: an error before it (a bad request, no replica) is an HTTP error
+    status; one after it is an error event."""
+    try:
+        first = await events.__anext__()
+    except ApiError:
+        await events.aclose()
+        raise
+
+    async def rest():
+        yield first
+        try:
+            async for event in events:
+                yield event
+        except ApiError as e:
+            yield moondream_api.sse(e.body())
+        finally:
+            await events.aclose()  # (the client went away: this cancels the call upstream)
+    return StreamingResponse(rest(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _timed(body_iterator, metrics: Metrics, name: str, t0: float):
+    try:
+        async for part in body_iterator:
+            yield part
+    finally:
+        metrics.latency.labels(name).observe(time.perf_counter() - t0)

@@ -1,0 +1,86 @@
+"""The Moondream API (what the official `moondream` client and Kestrel's HTTP server speak): /v1/query, /v1/caption,
+/v1/detect, /v1/point, /v1/segment. Each request becomes one call of the moondream model; streamed answers are
+Server-Sent Events `data: {"chunk", "completed": false, ...}`, the last one the whole result with
+`"completed": true`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from client import build_inputs
+from .errors import ApiError
+from .payloads import Limits, flag, image_field, routing_key, settings_field, text_field, with_model
+
+
+@dataclass
+class Call:
+    """One request for the moondream model."""
+
+    skill: str
+    inputs: list
+    key: str | None  # the replica routing key
+    stream: bool  # answered as server-sent events
+
+
+async def parse(skill: str, body: dict, limits: Limits, served: list[str]) -> Call:
+    settings = with_model(body, settings_field(body), served)
+    image = None
+    if skill != "query" or body.get("image_url") is not None:
+        if body.get("image_url") is None:
+            raise ApiError(400, "image_url is required")
+        image = await image_field(body["image_url"], limits)
+    kw = dict(image=image, settings=settings)
+    if skill == "query":
+        kw.update(question=text_field(body, "question", required=True), reasoning=flag(body, "reasoning"))
+    elif skill == "caption":
+        kw.update(length=text_field(body, "length") or "normal")
+    else:
+        kw.update(object=text_field(body, "object", required=True))
+    refs = body.get("spatial_refs")
+    if refs is not None:
+        if not isinstance(refs, list) or not all(isinstance(r, list) and len(r) in (2, 4) and
+                                                 all(isinstance(v, (int, float)) for v in r) for r in refs):
+            raise ApiError(400, "spatial_refs must be a list of [x, y] points or [x_min, y_min, x_max, y_max] boxes")
+        kw["spatial_refs"] = refs or None
+    stream = bool(flag(body, "stream")) and skill in ("query", "caption", "segment")
+    triton_stream = stream and skill != "segment"  # (segment's events are made from its one result)
+    return Call(skill, build_inputs(skill, stream=triton_stream, **kw), routing_key(image, settings), stream)
+
+
+def result(skill: str, body: dict) -> dict:
+    """The model's final body as the API answers it (segment: the first outline's path and box)."""
+    body = {k: v for k, v in body.items() if k not in ("chunk", "completed", "token_index")}
+    if skill != "segment":
+        return body
+    segment = (body.get("segments") or [{}])[0]
+    out = {"request_id": body["request_id"], "finish_reason": body["finish_reason"], "path": segment.get("svg_path", ""),
+           "bbox": segment.get("bbox"), "metrics": body["metrics"]}
+    if segment.get("parse_error"):
+        out["parse_error"] = segment["parse_error"]
+    return out
+
+
+def events(skill: str, bodies) -> AsyncIterator[str]:
+    """Server-sent events of a streamed call: the model's chunks as they come (segment: its box, its path, then the
+    result, as Kestrel's server streams them)."""
+    async def gen():
+        try:
+            async for body in bodies:
+                if skill != "segment":
+                    yield sse(body)
+                    continue
+                final = result(skill, body)
+                if final.get("bbox"):
+                    yield sse({"type": "bbox", "bbox": final["bbox"]})
+                if final["path"]:
+                    yield sse({"type": "path_delta", "chunk": final["path"], "completed": False})
+                yield sse({"type": "final", "chunk": "", "completed": True, **final})
+        finally:
+            await bodies.aclose()  # (cancels the call when the client went away)
+    return gen()
+
+
+def sse(data) -> str:
+    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"

@@ -1,0 +1,165 @@
+"""The tritonservers behind the gateway, and which one serves a request.
+
+Each request goes to the replica that rendezvous hashing of its key (the image's digest and the adapter) ranks
+first, so questions on one image reach the engine whose prefix cache holds it; a replica with more than its share
+of the requests in flight (bounded load: 1.25 times the mean) passes it to the next in rank. A replica that is not
+ready (stopping, unreachable) gets no new request. A request that a replica turned away before running it (it is
+draining or its queue is full, or the connection was refused) goes to the next; one that a replica failed while
+running it ends with an error, never sent twice.
+
+Replicas come from a list of host:port, or from a DNS name (a Kubernetes headless Service) resolved again every
+few seconds, each address a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import tritonclient.grpc.aio as grpcaio
+
+from client import response_body
+from .errors import ApiError, from_triton, refused_before_admission
+
+log = logging.getLogger("kestrel.gateway")
+LOAD_BOUND = 1.25  # a replica takes a request while it has at most this times the mean in flight
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    client: grpcaio.InferenceServerClient
+    ready: bool = False
+    inflight: int = 0
+    served: int = 0
+    avoid_until: float = 0.0  # after it refused a request (draining, overloaded): none for a moment
+
+    def available(self, now: float) -> bool:
+        return self.ready and now >= self.avoid_until
+
+
+def rendezvous_order(key: str, replicas: list[Replica]) -> list[Replica]:
+    """Highest-random-weight order: each replica's score is a hash of (key, replica); a replica that joins or leaves
+    moves only the keys it wins or held."""
+    return sorted(replicas, key=lambda r: hashlib.blake2b(f"{key}|{r.url}".encode(), digest_size=8).digest(),
+                  reverse=True)
+
+
+@dataclass
+class Upstream:
+    model: str
+    addresses: list[str] = field(default_factory=list)  # host:port
+    dns: str | None = None  # name:port, resolved every refresh_s
+    refresh_s: float = 2.0
+    replicas: dict[str, Replica] = field(default_factory=dict)
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._keep_fresh())
+
+    async def close(self) -> None:
+        self._task.cancel()
+        for r in self.replicas.values():
+            await r.client.close()
+
+    async def _keep_fresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception:  # (a failed look-up keeps the replicas it had)
+                log.exception("refreshing the replicas failed")
+
+    async def refresh(self) -> None:
+        """Replicas from the list or DNS; each asked whether its model is ready."""
+        urls = list(self.addresses)
+        if self.dns:
+            host, _, port = self.dns.rpartition(":")
+            infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            urls += sorted({f"{info[4][0]}:{port}" for info in infos})
+        for url in set(urls) - set(self.replicas):
+            self.replicas[url] = Replica(url, grpcaio.InferenceServerClient(url))
+        for url in set(self.replicas) - set(urls):
+            gone = self.replicas.pop(url)
+            if not gone.inflight:
+                await gone.client.close()
+        await asyncio.gather(*[self._probe(r) for r in self.replicas.values()])
+
+    async def _probe(self, replica: Replica) -> None:
+        try:
+            replica.ready = await asyncio.wait_for(replica.client.is_model_ready(self.model), 2.0)
+        except Exception:
+            replica.ready = False
+
+    @property
+    def ready(self) -> bool:
+        return any(r.ready for r in self.replicas.values())
+
+    def choices(self, key: str | None) -> list[Replica]:
+        """The replicas to try, in order: by rendezvous rank of the key (no key: fewest in flight first), those
+        over the load bound moved behind the others."""
+        now = time.monotonic()
+        live = [r for r in self.replicas.values() if r.available(now)]
+        if not live:
+            return []
+        ranked = rendezvous_order(key, live) if key else sorted(live, key=lambda r: r.inflight)
+        bound = math.ceil(LOAD_BOUND * (sum(r.inflight for r in live) + 1) / len(live))
+        return [r for r in ranked if r.inflight < bound] + [r for r in ranked if r.inflight >= bound]
+
+    async def call(self, inputs, key: str | None, timeout: float):
+        """The moondream model's JSON bodies for one request (on its own gRPC stream), as they come. Closing the
+        generator early (the HTTP client went away) cancels the request on its replica."""
+        tried = []
+        for replica in self.choices(key):
+            tried.append(replica.url)
+            replica.inflight += 1
+            responses, answered = None, False
+            try:
+                responses = replica.client.stream_infer(_one_request(self.model, inputs), stream_timeout=timeout)
+                async for result, error in responses:
+                    if error is not None:
+                        message = error.message()
+                        if not answered and refused_before_admission(message):
+                            replica.avoid_until = time.monotonic() + 1.0
+                            break  # to the next replica
+                        raise from_triton(message)
+                    body = response_body(result)
+                    if body is not None:
+                        answered = True
+                        yield body
+                else:
+                    replica.served += 1
+                    return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise ApiError(504, f"the server did not answer within {timeout:g} s") from None
+                if answered or not _never_connected(e):
+                    raise ApiError(502, f"replica {replica.url} failed while serving the request: "
+                                        f"{e.code().name}: {e.details()}") from None
+                replica.ready = False  # refused the connection: to the next replica
+            finally:
+                replica.inflight -= 1
+                if responses is not None:
+                    responses.cancel()  # (a no-op once the stream ended; cancels the request when the caller left)
+        if not tried:
+            raise ApiError(503, "no tritonserver replica is ready", retry_after=1)
+        raise ApiError(503, f"every replica turned the request away ({', '.join(tried)}): they are stopping or "
+                            "full; retry later", retry_after=1)
+
+
+async def _one_request(model: str, inputs):
+    yield {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+
+def _never_connected(error: grpc.aio.AioRpcError) -> bool:
+    """The replica refused the connection, so it never saw the request (safe to send elsewhere)."""
+    details = (error.details() or "").lower()
+    return error.code() == grpc.StatusCode.UNAVAILABLE and ("failed to connect" in details or
+                                                          "connection refused" in details)
