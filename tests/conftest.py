@@ -42,14 +42,15 @@ def _free_port() -> int:
 class TritonProcess:
     """A real tritonserver (nvidia-pytriton wheel) on free ports with our repository, tiny checkpoint, CPU."""
 
-    def __init__(self, work, **env):
+    def __init__(self, work, ports: tuple[int, int, int] | None = None, **env):
+        """ports: (http, grpc, metrics), to start a server again where one stopped; free ones by default."""
         import subprocess
         import time
         import urllib.request
 
         from kestrel_backend.triton.local_server import server_command
 
-        http, grpc, metrics = _free_port(), _free_port(), _free_port()
+        http, grpc, metrics = self.ports = ports or (_free_port(), _free_port(), _free_port())
         cmd, full_env = server_command(http, grpc, metrics, work=work)
         full_env.update({"KESTREL_DEVICE": "cpu", **env})
         self.log = work / "server.log"

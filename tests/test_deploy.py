@@ -76,7 +76,7 @@ def test_dockerfile_installs_what_pyproject_declares():
     for src in re.findall(r"^COPY (\S+)", docker, re.M):
         assert (ROOT / src).exists(), src
     assert re.search(r"^USER 1000$", docker, re.M)
-    assert "/v2/health/ready" in docker and re.search(r"^EXPOSE 8000 8001 8002$", docker, re.M)
+    assert "/v2/health/ready" in docker and re.search(r"^EXPOSE 8000 8001 8002 2020$", docker, re.M)
 
 
 @pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose-cpu.yml"])
@@ -87,13 +87,43 @@ def test_compose_files(name):
     assert set(svc["environment"]) <= KNOWN_ENV
     assert svc["environment"]["KESTREL_DEVICE"] == ("cpu" if "cpu" in name else "cuda")
     assert (ROOT / "docker" / svc["build"]["context"] / svc["build"]["dockerfile"]).exists()
+    gateway = compose["services"]["gateway"]
+    assert gateway["image"] == svc["image"] and gateway["ports"] == ["2020:2020"]
+    assert gateway["command"][:3] == ["python3", "-m", "kestrel_backend.gateway"] and "kestrel:8001" in gateway["command"]
+
+
+def _objects(values_file=None) -> list[dict]:
+    values = yaml.safe_load(values_file.read_text()) if values_file else None
+    return [d for path, text in chart_check.render(values=values).items() if path.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]
 
 
 def _deployment(values_file=None) -> dict:
-    values = yaml.safe_load(values_file.read_text()) if values_file else None
-    rendered = chart_check.render(values=values)
-    return next(d for path, text in rendered.items() if path.endswith("deployment.yaml")
-                for d in yaml.safe_load_all(text) if d)
+    return next(d for d in _objects(values_file) if d["kind"] == "Deployment" and "gateway" not in d["metadata"]["name"])
+
+
+def test_the_gateway_as_a_sidecar_or_as_a_deployment_routing_over_the_pods():
+    """Sidecar (all-on values): a gateway container beside tritonserver, talking to it on localhost, with its port on
+    the Service and its keys from a Secret. Deployment (the HPA values): gateways of their own that find the
+    tritonserver pods through a headless Service, whose labels the tritonserver selectors do not match."""
+    pod = _deployment(chart_check.ALL_ON)["spec"]["template"]["spec"]
+    sidecar = next(c for c in pod["containers"] if c["name"] == "gateway")
+    assert "--triton=localhost:8001" in sidecar["args"] and "--fetch-image-urls" in sidecar["args"]
+    assert sidecar["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "gateway-keys"
+    service = next(d for d in _objects(chart_check.ALL_ON) if d["kind"] == "Service")
+    assert {"name": "gateway", "port": 2020, "targetPort": "gateway", "protocol": "TCP"} in service["spec"]["ports"]
+
+    objects = _objects(chart_check.HPA)
+    triton = next(d for d in objects if d["kind"] == "Deployment" and "gateway" not in d["metadata"]["name"])
+    assert [c["name"] for c in triton["spec"]["template"]["spec"]["containers"]] == ["tritonserver"]
+    gateway = next(d for d in objects if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-gateway"))
+    args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
+    headless = next(d for d in objects if d["kind"] == "Service" and d["spec"].get("clusterIP") == "None")
+    assert f"--triton-dns={headless['metadata']['name']}.inference.svc.cluster.local:8001" in args
+    assert "--model-name=moondream2" in args
+    triton_labels = triton["spec"]["selector"]["matchLabels"]
+    gateway_labels = gateway["spec"]["template"]["metadata"]["labels"]
+    assert headless["spec"]["selector"] == triton_labels and not triton_labels.items() <= gateway_labels.items()
 
 
 def test_gpus_per_pod_runs_one_engine_per_gpu():

@@ -1,4 +1,5 @@
-"""python -m kestrel_backend.gateway --triton localhost:8001 [--triton host2:8001 | --triton-dns name:8001] --port 2020
+"""python -m kestrel_backend.gateway --triton localhost:8001 [--triton host2:8001 | --triton-file F | --triton-dns
+name:8001] --port 2020
 
 Serves the Moondream API (/v1/query, /v1/caption, /v1/detect, /v1/point, /v1/segment) and OpenAI chat completions
 (/v1/chat/completions) over the moondream model of one or several tritonservers (README: "The Moondream API").
@@ -32,6 +33,7 @@ def main(argv=None) -> None:
                    "several replicas)")
     p.add_argument("--triton-dns", help="name:port resolved every few seconds, each address a replica (a Kubernetes "
                    "headless Service)")
+    p.add_argument("--triton-file", help="a file of tritonserver gRPC addresses, one a line, read every few seconds")
     p.add_argument("--triton-model", default="moondream", help="the model's name in Triton")
     p.add_argument("--model-name", action="append", help="a name the API's `model` field may take (repeat; default: "
                    "KESTREL_MODEL, else moondream)")
@@ -45,12 +47,12 @@ def main(argv=None) -> None:
     p.add_argument("--request-timeout", type=float, default=300)
     p.add_argument("--refresh-s", type=float, default=2.0, help="seconds between replica readiness checks")
     a = p.parse_args(argv)
-    if not a.triton and not a.triton_dns:
-        p.error("name at least one tritonserver: --triton host:port or --triton-dns name:port")
+    if not (a.triton or a.triton_dns or a.triton_file):
+        p.error("name at least one tritonserver: --triton host:port, --triton-file or --triton-dns name:port")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     served = a.model_name or [os.environ.get("KESTREL_MODEL") or "moondream"]
     config = GatewayConfig(
-        upstream=Upstream(a.triton_model, a.triton, a.triton_dns, a.refresh_s), served=served,
+        upstream=Upstream(a.triton_model, a.triton, a.triton_dns, a.triton_file, a.refresh_s), served=served,
         api_keys=api_keys(os.environ, a.api_keys_file),
         limits=Limits(int(a.max_body_mb * 2**20), int(a.max_image_mb * 2**20), a.fetch_image_urls),
         request_timeout_s=a.request_timeout)

@@ -42,10 +42,14 @@ class Metrics:
                                 ["endpoint", "status"], registry=self.registry)
         self.latency = Histogram("kestrel_gateway_request_duration_seconds", "Time to the response's headers (to "
                                  "the last event for streams), by endpoint", ["endpoint"], registry=self.registry)
+        self.upstream = Counter("kestrel_gateway_upstream_requests_total", "Calls of the model by replica and "
+                                "outcome (served, refused: sent on to the next, unreachable, failed)",
+                                ["replica", "outcome"], registry=self.registry)
 
 
 def create_app(config: GatewayConfig) -> Starlette:
     metrics = Metrics()
+    config.upstream.on_outcome = lambda url, outcome: metrics.upstream.labels(url, outcome).inc()
 
     def endpoint(name: str, handler, authenticated: bool = True):
         async def serve(request: Request) -> Response:

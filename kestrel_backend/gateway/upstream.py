@@ -7,8 +7,9 @@ ready (stopping, unreachable) gets no new request. A request that a replica turn
 draining or its queue is full, or the connection was refused) goes to the next; one that a replica failed while
 running it ends with an error, never sent twice.
 
-Replicas come from a list of host:port, or from a DNS name (a Kubernetes headless Service) resolved again every
-few seconds, each address a replica.
+Replicas come from a list of host:port, from a file of them (one a line, read again every few seconds: a mounted
+ConfigMap), or from a DNS name (a Kubernetes headless Service) resolved again every few seconds, each address a
+replica.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import grpc
 import tritonclient.grpc.aio as grpcaio
@@ -57,8 +60,10 @@ class Upstream:
     model: str
     addresses: list[str] = field(default_factory=list)  # host:port
     dns: str | None = None  # name:port, resolved every refresh_s
+    listing: str | None = None  # a file of host:port lines, read every refresh_s
     refresh_s: float = 2.0
     replicas: dict[str, Replica] = field(default_factory=dict)
+    on_outcome: Callable[[str, str], None] = lambda url, outcome: None  # (replica, served|refused|unreachable|failed)
 
     async def start(self) -> None:
         await self.refresh()
@@ -80,6 +85,9 @@ class Upstream:
     async def refresh(self) -> None:
         """Replicas from the list or DNS; each asked whether its model is ready."""
         urls = list(self.addresses)
+        if self.listing:
+            urls += [line.split("#")[0].strip() for line in Path(self.listing).read_text().splitlines()]
+            urls = [u for u in urls if u]
         if self.dns:
             host, _, port = self.dns.rpartition(":")
             infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
@@ -128,7 +136,9 @@ class Upstream:
                         message = error.message()
                         if not answered and refused_before_admission(message):
                             replica.avoid_until = time.monotonic() + 1.0
+                            self.on_outcome(replica.url, "refused")
                             break  # to the next replica
+                        self.on_outcome(replica.url, "failed")
                         raise from_triton(message)
                     body = response_body(result)
                     if body is not None:
@@ -136,14 +146,17 @@ class Upstream:
                         yield body
                 else:
                     replica.served += 1
+                    self.on_outcome(replica.url, "served")
                     return
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise ApiError(504, f"the server did not answer within {timeout:g} s") from None
                 if answered or not _never_connected(e):
+                    self.on_outcome(replica.url, "failed")
                     raise ApiError(502, f"replica {replica.url} failed while serving the request: "
                                         f"{e.code().name}: {e.details()}") from None
                 replica.ready = False  # refused the connection: to the next replica
+                self.on_outcome(replica.url, "unreachable")
             finally:
                 replica.inflight -= 1
                 if responses is not None:
