@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import multiprocessing
@@ -187,8 +188,37 @@ async def one_request(client, image: bytes, max_tokens: int) -> dict:
     return done
 
 
+async def one_http_request(http, url: str, image: bytes, max_tokens: int) -> dict:
+    """The same query through the gateway (the Moondream API, streamed as server-sent events)."""
+    body = {"image_url": "data:image/jpeg;base64," + base64.b64encode(image).decode(), "question":
+            "Describe this image.", "stream": True, "settings": {"temperature": 0, "max_tokens": max_tokens}}
+    t0 = time.perf_counter()
+    ttft = None
+    async with http.stream("POST", url + "/v1/query", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"the gateway answered {response.status_code}: {await response.aread()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            event = json.loads(line[6:])
+            if event.get("completed"):
+                return {"ttft_ms": ttft * 1000, "latency_ms": (time.perf_counter() - t0) * 1000,
+                        "output_tokens": event["metrics"]["output_tokens"], "engine_ttft_ms": event["metrics"]["ttft_ms"]}
+    raise RuntimeError("the stream ended without a final event")
+
+
 async def run_requests(url: str, images: list[bytes], concurrency: int, requests: int, max_tokens: int) -> list[dict]:
-    """`requests` queries over one channel, `concurrency` of them in flight: a new one as one ends."""
+    """`requests` queries over one channel (an http:// url: through the gateway, one HTTP connection a stream),
+    `concurrency` of them in flight: a new one as one ends."""
+    if url.startswith("http://"):
+        import httpx
+
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+            return await gather_limited(lambda i: one_http_request(http, url, images[i % len(images)], max_tokens),
+                                        requests, concurrency)
     import tritonclient.grpc.aio as grpcaio
 
     client = grpcaio.InferenceServerClient(url)
@@ -197,6 +227,29 @@ async def run_requests(url: str, images: list[bytes], concurrency: int, requests
                                     concurrency)
     finally:
         await client.close()
+
+
+@contextlib.contextmanager
+def gateway(grpc_url: str, port: int, log):
+    """The gateway (python -m kestrel_backend.gateway) in front of the server, until the block ends."""
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel_backend.gateway", "--triton", grpc_url, "--port", str(port),
+                             "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                if urllib.request.urlopen(url + "/readyz", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise SystemExit("the gateway did not get ready")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def client_part(url: str, images: list[bytes], concurrency: int, max_tokens: int, per_stream: int = 2) -> dict:
@@ -271,6 +324,8 @@ def main() -> int:
                    "this many questions, sent one after another")
     p.add_argument("--requests-per-stream", type=int, default=2, help="each level's requests a stream: more, "
                    "for a closed loop's steady state rather than its first wave")
+    p.add_argument("--gateway", action="store_true", help="each level also through the gateway (the Moondream API, "
+                   "HTTP and server-sent events), right after it over gRPC")
     args = p.parse_args()
     per_stream, repeat = args.requests_per_stream, args.questions_per_image
     cached, seen = (None if args.fresh_images else query_images()), 0
@@ -304,24 +359,27 @@ def main() -> int:
                 level(url, images_for(max(args.concurrency)), max(args.concurrency), args.max_tokens, pool, procs,
                       fresh, per_stream)
                 rows = []
-                for c in args.concurrency:
-                    images = images_for(c)
-                    before = server_sums(metrics_url)
-                    rows.append(level(url, images, c, args.max_tokens, pool, procs, fresh, per_stream))
-                    time.sleep(1.5)  # (Triton refreshes its metrics about every second)
-                    rows[-1].update(server_means(before, server_sums(metrics_url)), gpus=gpus)
-                    rows[-1]["prefix_hit_rate"] = rows[-1]["prefix_cache_hits"] / rows[-1]["requests"]
+                with (gateway(url, ports[2] + 1, args.log.open("a") if args.log else subprocess.DEVNULL)
+                      if args.gateway else contextlib.nullcontext()) as gateway_url:
+                    for c in args.concurrency:
+                        for path, target in [("grpc", url)] + ([("gateway", gateway_url)] if gateway_url else []):
+                            images = images_for(c)
+                            before = server_sums(metrics_url)
+                            rows.append(level(target, images, c, args.max_tokens, pool, procs, fresh, per_stream))
+                            time.sleep(1.5)  # (Triton refreshes its metrics about every second)
+                            rows[-1].update(server_means(before, server_sums(metrics_url)), gpus=gpus, path=path)
+                            rows[-1]["prefix_hit_rate"] = rows[-1]["prefix_cache_hits"] / rows[-1]["requests"]
             runs.append({"gpus": gpus, "ready_s": ready_s, "levels": rows, "stopped": stopped})
             if args.out:  # (after every server: a later one failing keeps what was measured)
                 args.out.write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
                                                 "fresh_images": args.fresh_images, "questions_per_image": repeat,
                                                 "client_processes": args.client_processes,
                                                 "requests_per_stream": per_stream, "runs": runs}, indent=1))
-    print("| GPUs | concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | engine TTFT p50 ms | "
-          "outside the engine p50 ms | prefix hits / request | Triton queue ms | client CPU share |\n" + "| --- " * 12 + "|")
+    print("| GPUs | path | concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | engine TTFT p50 ms | "
+          "outside the engine p50 ms | prefix hits / request | Triton queue ms | client CPU share |\n" + "| --- " * 13 + "|")
     for run in runs:
         for r in run["levels"]:
-            print(f"| {run['gpus'] or ''} | {r['concurrency']} | {r['requests']} | {r['req_per_s']:.1f} | "
+            print(f"| {run['gpus'] or ''} | {r['path']} | {r['concurrency']} | {r['requests']} | {r['req_per_s']:.1f} | "
                   f"{r['output_tok_per_s']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
                   f"{r['engine_ttft_p50_ms']:.0f} | {r['ttft_outside_engine_p50_ms']:.1f} | "
                   f"{r['prefix_hit_rate']:.2f} | {r['triton_queue_mean_ms']:.1f} | {r['client_cpu_share']:.2f} |")
