@@ -1,4 +1,4 @@
-"""Benchmark (4): query-with-image throughput through a real tritonserver, over gRPC streams.
+"""Throughput and time to first token through a real tritonserver (gRPC streams), and through the gateway.
 
     python benchmarks/triton_bench.py [--concurrency 1 4 16 64] [--max-tokens 64] [--out results.json]
     python benchmarks/triton_bench.py --checkpoint tests/fixtures/md2-tiny --concurrency 1 2  (CPU smoke run)
@@ -204,8 +204,9 @@ async def one_http_request(http, url: str, image: bytes, max_tokens: int) -> dic
                 ttft = time.perf_counter() - t0
             event = json.loads(line[6:])
             if event.get("completed"):
+                metrics = event["metrics"]
                 return {"ttft_ms": ttft * 1000, "latency_ms": (time.perf_counter() - t0) * 1000,
-                        "output_tokens": event["metrics"]["output_tokens"], "engine_ttft_ms": event["metrics"]["ttft_ms"]}
+                        "output_tokens": metrics["output_tokens"], "engine_ttft_ms": metrics["ttft_ms"]}
     raise RuntimeError("the stream ended without a final event")
 
 
@@ -376,7 +377,8 @@ def main() -> int:
                                                 "client_processes": args.client_processes,
                                                 "requests_per_stream": per_stream, "runs": runs}, indent=1))
     print("| GPUs | path | concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | engine TTFT p50 ms | "
-          "outside the engine p50 ms | prefix hits / request | Triton queue ms | client CPU share |\n" + "| --- " * 13 + "|")
+          "outside the engine p50 ms | prefix hits / request | Triton queue ms | client CPU share |\n"
+          + "| --- " * 13 + "|")
     for run in runs:
         for r in run["levels"]:
             print(f"| {run['gpus'] or ''} | {r['path']} | {r['concurrency']} | {r['requests']} | {r['req_per_s']:.1f} | "

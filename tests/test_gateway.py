@@ -68,7 +68,8 @@ def test_every_moondream_method_of_the_official_client_equals_grpc(md, image, pn
     refs = [[0.1, 0.2, 0.5, 0.6]]
     assert md.query(image, "This?", spatial_refs=refs, settings=GREEDY)["answer"] == \
         grpc.query("This?", png, settings=GREEDY, spatial_refs=refs)["answer"]
-    assert md.query(question="Text only?", settings=GREEDY)["answer"] == grpc.query("Text only?", settings=GREEDY)["answer"]
+    assert md.query(question="Text only?", settings=GREEDY)["answer"] == \
+        grpc.query("Text only?", settings=GREEDY)["answer"]
     for length in ("short", "normal"):
         caption = grpc.caption(png, length, settings=GREEDY)["caption"]
         assert md.caption(image, length, settings=GREEDY)["caption"] == caption

@@ -55,8 +55,8 @@ def result(skill: str, body: dict) -> dict:
     if skill != "segment":
         return body
     segment = (body.get("segments") or [{}])[0]
-    out = {"request_id": body["request_id"], "finish_reason": body["finish_reason"], "path": segment.get("svg_path", ""),
-           "bbox": segment.get("bbox"), "metrics": body["metrics"]}
+    out = {"request_id": body["request_id"], "finish_reason": body["finish_reason"],
+           "path": segment.get("svg_path", ""), "bbox": segment.get("bbox"), "metrics": body["metrics"]}
     if segment.get("parse_error"):
         out["parse_error"] = segment["parse_error"]
     return out

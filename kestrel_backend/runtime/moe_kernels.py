@@ -489,7 +489,7 @@ def _counter(device: torch.device, stream: int) -> torch.Tensor:
 def _router_tiles(t: int, d: int) -> dict:
     """For a few tokens each program reads its expert's whole row in one pass (512-wide chunks before; H100, with the
     routing in the same launch and tau's positions once a step: Moondream 3's one-token step 1.469 against 1.542 ms,
-    h100_2026-11-26_ab_router_routes.json); tiles of at most 8192 values."""
+    h100_2026-11-26_ab_router_routes.json, in the git history); tiles of at most 8192 values."""
     block_t = max(2, triton.next_power_of_2(t))
     return dict(BLOCK_T=block_t, BLOCK_K=min(triton.next_power_of_2(d), max(256, 8192 // block_t)), num_warps=4)
 
@@ -711,9 +711,9 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, gates: torch.Tensor, order: torch
 
 
 # One token's FP8 experts as GEMVs (_moe_gemv_up_kernel): a program a pair and BLOCK_N inner or output columns. H100
-# (h100_2026-11-27_moe_fp8_one_token_gemv.json, seven tiles swept inside the whole step): the MLP 33 against 69 us a
-# layer on the 16-row tiles, the one-row step 1.229 against 1.818 ms; 16 x 256 tiles gave the MLP alone 26.5 us but
-# the step 1.246 (the MLP shares the GPU with the attention's kernels on the other stream).
+# (h100_2026-11-27_moe_fp8_one_token_gemv.json in the git history, seven tiles swept inside the whole step): the MLP
+# 33 against 69 us a layer on the 16-row tiles, the one-row step 1.229 against 1.818 ms; 16 x 256 tiles gave the MLP
+# alone 26.5 us but the step 1.246 (the MLP shares the GPU with the attention's kernels on the other stream).
 GEMV_TILES = (dict(BLOCK_N=32, BLOCK_K=128, num_warps=4), dict(BLOCK_N=32, BLOCK_K=128, num_warps=4))
 ONE_TOKEN_FP8_GEMV = True  # (False: one-token steps take the tile kernels, as before; for A/B runs)
 
