@@ -19,3 +19,10 @@ class EngineError(RuntimeError):
 
 class RequestCancelled(RuntimeError):
     """The caller cancelled the request (or went away)."""
+
+
+def shown(value, limit: int = 64) -> str:
+    """A bad value as an error message quotes it: its repr, cut to `limit` characters and a count, so that a
+    100,000-character input does not come back in full."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -189,9 +189,13 @@ def _send_and_hang_up(gateway, path: str, body: dict, until: bytes) -> bytes:
 def test_a_client_that_disconnects_cancels_its_request(gateway, triton_server, png, stream):
     before = metric_sum(scrape(triton_server["metrics"]), "kestrel_requests_total", outcome="cancelled")
     body = {"image_url": "data:image/png;base64," + base64.b64encode(png).decode(), "length": "long",
-            "stream": stream, "settings": {"max_tokens": 1000}}
+            "stream": stream, "settings": {"max_tokens": 1000, "temperature": 0}}  # (greedy: 1,000 tokens, no EOS)
     got = _send_and_hang_up(gateway, "/v1/caption", body, b"data: " if stream else b"")
     assert not stream or b"data: " in got
+    deadline = time.time() + 30
+    while metric_sum(scrape(triton_server["metrics"]), "kestrel_requests_total", outcome="cancelled") == before and \
+            time.time() < deadline:
+        time.sleep(0.2)
     text = idle_metrics(triton_server)
     assert metric_sum(text, "kestrel_engine_state", state="kv_pages_used") == 0
     assert metric_sum(text, "kestrel_requests_total", outcome="cancelled") == before + 1

@@ -64,7 +64,7 @@ def test_health_ready(triton_server):
 
 def _check_metrics(body, n_out):
     m = body["metrics"]
-    assert set(m) == {"input_tokens", "output_tokens", "prefill_time_ms", "decode_time_ms", "ttft_ms"}
+    assert set(m) == {"input_tokens", "output_tokens", "prefill_time_ms", "decode_time_ms", "ttft_ms", "cached_tokens"}
     assert m["output_tokens"] == n_out and m["input_tokens"] > 0
 
 
@@ -203,6 +203,18 @@ def _bad_requests(image):
                                     r"max_tokens must be between 1"),
         "unknown adapter": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b'{"adapter": "nope@1"}')],
                             r"adapter 'nope@1' not found"),
+        # echoed values are cut (to 64 characters and a count), deep nesting is refused in our words
+        "100,000-character adapter id": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", json.dumps(
+            {"adapter": "a" * 100000}).encode())], r"got '.{0,70}\.\.\. \(100002 characters\)$"),
+        "100,000-character LENGTH": ([skill("caption"), b("IMAGE", image), b("LENGTH", b"L" * 100000)],
+                                     r"LENGTH must be .{0,60} got '.{0,70}\.\.\. \(100002 characters\)$"),
+        "SETTINGS nested 100,000 deep": ([skill("query"), b("QUESTION", b"hi"), b("SETTINGS", b"[" * 100000)],
+                                         r"SETTINGS is nested too deeply$"),
+        "chat without MESSAGES": ([skill("chat")], r"MESSAGES is required"),
+        "MESSAGES for query": ([skill("query"), b("QUESTION", b"hi"), b("MESSAGES", b"[]")], r"only taken by the chat"),
+        "chat image in a later turn": ([skill("chat"), b("IMAGE", image), b("MESSAGES", json.dumps([
+            {"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "image", "index": 0}]}]).encode())],
+            r"one image a conversation"),
     }
 
 

@@ -32,14 +32,15 @@ _CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 413:
 
 
 def refused_before_admission(message: str) -> bool:
-    """The engine turned the request away before it ran (it is stopping, or its queue is full): another replica may
-    take it."""
-    return message.startswith(("server draining", "server overloaded"))
+    """The request was turned away before it ran, so another replica may take it: by the engine (it is stopping, or
+    its queue is full), or by tritonserver itself, which unloads the model when it stops ("Request for unknown model:
+    'moondream' has no available versions")."""
+    return message.startswith(("server draining", "server overloaded", "Request for unknown model"))
 
 
 def from_triton(message: str) -> ApiError:
     """An error the moondream model answered a request with, as an HTTP error with the same message."""
-    if message.startswith("server draining"):
+    if message.startswith(("server draining", "Request for unknown model")):
         return ApiError(503, message, retry_after=1)
     if message.startswith("server overloaded") or "adapter slots" in message:
         return ApiError(429, message, retry_after=1)

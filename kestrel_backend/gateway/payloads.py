@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from ..data_urls import image_bytes
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, shown
 from .errors import ApiError
 
 
@@ -117,8 +117,7 @@ def with_model(body: dict, settings: dict | None, served: list[str]) -> dict | N
         raise ApiError(400, "model must be a string")
     name, _, adapter = model.partition("/")
     if name not in served or (_ and not adapter):
-        shown = model if len(model) <= 64 else f"{model[:64]}... ({len(model)} characters)"
-        raise ApiError(404, f"model {shown!r} is not served here; served: {', '.join(served)} (an adapter as "
+        raise ApiError(404, f"model {shown(model)} is not served here; served: {', '.join(served)} (an adapter as "
                             f"<model>/<adapter id>)")
     if adapter:
         settings = dict(settings or {})

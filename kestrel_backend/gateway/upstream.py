@@ -2,7 +2,7 @@
 
 Each request goes to the replica that rendezvous hashing of its key (the image's digest and the adapter) ranks
 first, so questions on one image reach the engine whose prefix cache holds it; a replica with more than its share
-of the requests in flight (bounded load: 1.25 times the mean) passes it to the next in rank. A replica that is not
+of the requests in flight (bounded load: 1.25 times the mean, plus 2) passes it to the next in rank. A replica that is not
 ready (stopping, unreachable) gets no new request. A request that a replica turned away before running it (it is
 draining or its queue is full, or the connection was refused) goes to the next; one that a replica failed while
 running it ends with an error, never sent twice.
@@ -32,7 +32,8 @@ from client import response_body
 from .errors import ApiError, from_triton, refused_before_admission
 
 log = logging.getLogger("kestrel.gateway")
-LOAD_BOUND = 1.25  # a replica takes a request while it has at most this times the mean in flight
+LOAD_BOUND = 1.25  # a replica takes a request while it has at most this times the mean in flight,
+LOAD_SLACK = 2  # plus this many: at a few requests in flight the bound alone would scatter an image's questions
 
 
 @dataclass(eq=False)
@@ -118,7 +119,7 @@ class Upstream:
         if not live:
             return []
         ranked = rendezvous_order(key, live) if key else sorted(live, key=lambda r: r.inflight)
-        bound = math.ceil(LOAD_BOUND * (sum(r.inflight for r in live) + 1) / len(live))
+        bound = math.ceil(LOAD_BOUND * (sum(r.inflight for r in live) + 1) / len(live)) + LOAD_SLACK
         return [r for r in ranked if r.inflight < bound] + [r for r in ranked if r.inflight >= bound]
 
     async def call(self, inputs, key: str | None, timeout: float):

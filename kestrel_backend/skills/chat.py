@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..data_urls import image_bytes
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, shown
 from ..model.config import TokenizerConfig
 from .prompts import query_tail, template
 
@@ -60,7 +60,7 @@ def _message(i: int, m, attached: list[bytes]) -> ChatMessage:
         raise InvalidRequest(f"MESSAGES[{i}] must be an object with role and content")
     role, content = m.get("role"), m.get("content")
     if role not in ROLES:
-        raise InvalidRequest(f"MESSAGES[{i}].role must be one of {', '.join(ROLES)}, got {_short(role)}")
+        raise InvalidRequest(f"MESSAGES[{i}].role must be one of {', '.join(ROLES)}, got {shown(role)}")
     if isinstance(content, str):
         return ChatMessage(role, content)
     if content is None and role == "assistant":
@@ -79,7 +79,7 @@ def _message(i: int, m, attached: list[bytes]) -> ChatMessage:
             if not isinstance(url, str) or not url:
                 raise InvalidRequest(f"{where}.image_url must hold a url")
             if not url.startswith("data:") and "://" in url:
-                raise InvalidRequest(f"{where}: only data URLs and base64 images are taken here, not {_short(url)}")
+                raise InvalidRequest(f"{where}: only data URLs and base64 images are taken here, not {shown(url)}")
             images.append(image_bytes(url.encode(), f"{where}.image_url"))
         elif kind == "image":
             index = part.get("index")
@@ -91,11 +91,6 @@ def _message(i: int, m, attached: list[bytes]) -> ChatMessage:
     if images and role != "user":
         raise InvalidRequest(f"MESSAGES[{i}]: images are taken in user messages only, not in a {role} message")
     return ChatMessage(role, "".join(texts), tuple(images))
-
-
-def _short(value, limit: int = 64) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def supports_reasoning(tok: TokenizerConfig) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, shown
 from ..model.config import TokenizerConfig
 
 CAPTION_LENGTHS = ("short", "normal", "long")
@@ -49,7 +49,7 @@ def caption_prompt(tok: TokenizerConfig, length: str) -> list[int]:
     lengths = template(tok, "caption")
     if length not in lengths:
         allowed = [n for n in CAPTION_LENGTHS if n in lengths]
-        raise InvalidRequest(f"LENGTH must be one of {', '.join(allowed)} for this model, got {length!r}")
+        raise InvalidRequest(f"LENGTH must be one of {', '.join(allowed)} for this model, got {shown(length)}")
     return list(lengths[length])
 
 

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, shown
 
 DEFAULT_TEMPERATURE = 0.2
 DEFAULT_TOP_P = 0.9
@@ -52,7 +52,7 @@ class Settings:
 def _number(values, key, default, low, high, low_open=False) -> float:
     v = values.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise SettingsError(f"SETTINGS: {key} must be a finite number, got {v!r}")
+        raise SettingsError(f"SETTINGS: {key} must be a finite number, got {shown(v)}")
     if v < low or v > high or (low_open and v == low):
         side = "(" if low_open else "["
         raise SettingsError(f"SETTINGS: {key} must be in {side}{low}, {high}], got {v}")
@@ -62,7 +62,7 @@ def _number(values, key, default, low, high, low_open=False) -> float:
 def _integer(values, key, default, low, high) -> int:
     v = values.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise SettingsError(f"SETTINGS: {key} must be an integer, got {v!r}")
+        raise SettingsError(f"SETTINGS: {key} must be an integer, got {shown(v)}")
     if v < low or v > high:
         raise SettingsError(f"SETTINGS: {key} must be between {low} and {high}, got {v}")
     return v
@@ -76,5 +76,5 @@ def _adapter(values) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str) or not ADAPTER_ID.fullmatch(v) or ".." in v:
-        raise SettingsError(f"SETTINGS: {key} must be an adapter id (letters, digits, . _ - @; at most 128), got {v!r}")
+        raise SettingsError(f"SETTINGS: {key} must be an adapter id (letters, digits, . _ - @; at most 128), got {shown(v)}")
     return v

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from ..data_urls import image_bytes
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, shown
 from ..runtime.sequence import EngineResult
 from ..skills.chat import ChatMessage, parse_messages
 
@@ -105,7 +105,7 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
     if skill is None:
         raise InvalidRequest("SKILL is required")
     if skill not in SKILLS:
-        raise InvalidRequest(f"SKILL must be one of {', '.join(SKILLS)}; got {skill!r}")
+        raise InvalidRequest(f"SKILL must be one of {', '.join(SKILLS)}; got {shown(skill)}")
     settings = _text("SETTINGS", get("SETTINGS"))
     if settings is not None:
         try:
