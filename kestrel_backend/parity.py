@@ -26,6 +26,7 @@ from .model.moondream import Moondream
 from .model.weights import load_state
 from .model.seg_refiner import RefinerHead
 from .runtime.segment_refiner import SegmentRefiner
+from .skills.chat import chat_prompt, parse_messages
 from .skills.generation import Prompt, ReasoningThenAnswer, RegionGeneration, SegmentGeneration, TextGeneration
 from .skills.prompts import caption_prompt, query_prompt, region_prompt, spatial_refs_start
 from .skills.segment import coarse_segment
@@ -116,6 +117,20 @@ class Checker:
             same = gen.reasoning_tokens == case["reasoning_tokens"]
             ok, msg = ok and same, msg + f", reasoning tokens {'equal' if same else 'DIFFER'}"
         return ok, msg
+
+    def check_chat(self, case):
+        """A conversation rendered as Kestrel renders it (its prompt ids must be the ones the reference prefilled),
+        then greedy decoding on the single-request path. No logits are recorded for these cases."""
+        tok = self.model.config.tokenizer
+        messages = parse_messages(case["messages"], [b"(the case's image)"] if case["image"] else [])
+        ids = chat_prompt(tok, messages, lambda t: self.model.tokenizer.encode(t).ids, case["image"] is not None,
+                          case["reasoning"])
+        settings = Settings(temperature=0.0, max_tokens=case["max_tokens"])
+        gen = ReasoningThenAnswer(tok, settings, self.model) if case["reasoning"] else TextGeneration(tok, settings)
+        run_single(self.model, self._prompt(case, ids), gen)
+        same = gen.tokens == case["tokens"] and \
+            (not case["reasoning"] or gen.reasoning_tokens == case["reasoning_tokens"])
+        return same, f"prompt ids equal, tokens {'equal' if same else 'DIFFER'}"
 
     def check_caption(self, case):
         tok = self.model.config.tokenizer
@@ -249,6 +264,10 @@ def submit_case(engine, folder: Path, case: dict):
                                     spatial_refs=case.get("spatial_refs"))
     if kind == "caption":
         return engine.submit_tokens("caption", image, case["prompt_ids"], text)
+    if kind == "chat":
+        from .skills.chat import parse_messages
+
+        return engine.chat(parse_messages(case["messages"], [image] if image else []), case["reasoning"], False, text)
     if kind == "segment":
         return engine.submit_tokens("segment", image, case["object_ids"], {"max_tokens": case["max_tokens"]})
     return engine.submit_tokens(kind, image, case["object_ids"], {"max_objects": case["max_objects"], **adapter})
@@ -257,6 +276,10 @@ def submit_case(engine, folder: Path, case: dict):
 def result_matches(engine, case: dict, result) -> bool:
     """An engine's result against the case's golden tokens (decoded) or coordinates (clamped to [0, 1])."""
     tok = engine.model.tokenizer
+    if case["kind"] == "chat":
+        message = result.output["message"]
+        return message["content"] == tok.decode(case["tokens"]) and \
+            (not case["reasoning"] or message["reasoning"] == tok.decode(case["reasoning_tokens"]))
     if case["kind"] in ("query", "caption"):
         same = result.output["answer" if case["kind"] == "query" else "caption"] == tok.decode(case["tokens"])
         if case.get("reasoning"):

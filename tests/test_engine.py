@@ -30,13 +30,13 @@ def engine(tiny_dir):
 @pytest.fixture(scope="module")
 def golden(tiny_dir):
     cases = json.loads((tiny_dir / "cases.json").read_text())["cases"]
-    return [c for c in cases if c["kind"] in ("query", "caption", "point", "detect")]
+    return [c for c in cases if c["kind"] in ("query", "caption", "point", "detect", "chat")]
 
 
 def _check_against_golden(engine, case, result):
     assert parity.result_matches(engine, case, result), case["name"]
     expected_out = len(case.get("tokens", [])) + len(case.get("reasoning_tokens", []))
-    if case["kind"] in ("query", "caption"):
+    if case["kind"] in ("query", "caption", "chat"):
         assert result.metrics["output_tokens"] == expected_out
 
 
@@ -358,7 +358,7 @@ def test_mixed_steps_decode_running_sequences_in_the_prefill_forward_and_keep_th
     steps that admit run the running rows in their prefill forward, and every answer still equals the reference's."""
     folder = tiny_dir.parent / name
     cases = [c for c in json.loads((folder / "cases.json").read_text())["cases"]
-             if c["kind"] in ("query", "caption", "point", "detect", "segment")]
+             if c["kind"] in ("query", "caption", "point", "detect", "segment", "chat")]
     eng = InferenceEngine.create(RuntimeConfig(
         model_path=str(folder), device="cpu", dtype="float32", max_batch_size=4, max_step_tokens=0, mixed_steps=1,
         adapter_dir=str(folder / "adapters") if (folder / "adapters").is_dir() else ""))

@@ -20,7 +20,9 @@ from conftest import GatewayProcess, TritonProcess
 from client import MoondreamClient
 from client.metrics import metric_sum, scrape
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+# one worker runs these in order (pytest-xdist's loadgroup): each test leaves the replicas as the next expects them
+pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning"),
+              pytest.mark.xdist_group("routing")]
 SHORT = {"temperature": 0, "max_tokens": 3}
 
 
