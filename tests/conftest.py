@@ -10,6 +10,14 @@ SHARED_TINY = Path(__file__).parents[2] / "shared" / "fixtures" / "md2-tiny"
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker computes with one thread: two workers on CI's two CPUs, not four threads."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def fixture_dirs() -> list[Path]:
     """Every golden fixture folder: md2-tiny (with adapters and spatial refs), md2-tiny-4bit, md05-tiny."""
     return sorted(p.parent for p in FIXTURES.glob("*/cases.json")) + \
@@ -27,7 +35,8 @@ def tiny_model():
 
     from kestrel_backend.model.moondream import Moondream
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     return Moondream.from_checkpoint(TINY, dtype=torch.float32)
 
 
