@@ -455,9 +455,40 @@ def test_moondream3_served_for_every_skill_equals_the_engine(tmp_path_factory, t
         with pytest.raises(MoondreamError, match="OBJECT is required"):
             client.segment(image, " ")
         assert client.caption(image, "short", settings=GREEDY)["caption"]
+        _official_client_on_moondream3(tmp_path_factory, server, client, image, few)
     finally:
         eng.shutdown()
         server.stop()
+
+
+def _official_client_on_moondream3(tmp_path_factory, server, client, image, few):
+    """The gateway in front of it, serving `moondream3-preview`, the name the official client's chat() sends by
+    default: segment (its path and box, streamed as a box, path chunks and the result) and chat equal gRPC's."""
+    import base64
+
+    import moondream
+    from conftest import GatewayProcess
+    from moondream.types import Base64EncodedImage
+
+    gateway = GatewayProcess(tmp_path_factory.mktemp("gateway-md3"), [server["grpc"]], "--model-name",
+                             "moondream3-preview")
+    try:
+        md = moondream.vl(endpoint=gateway.url + "/v1")
+        encoded = Base64EncodedImage(image_url="data:image/png;base64," + base64.b64encode(image).decode())
+        want = client.segment(image, "dog", settings=few)["segments"][0]  # (random weights: a path that does
+        box = {"bbox": want["bbox"]} if want.get("bbox") else {}  # not parse has no box)
+        assert md.segment(encoded, "dog", settings=few) == {"path": want["svg_path"], **box}
+        events = list(md.segment(encoded, "dog", stream=True, settings=few))
+        assert events[-1] == {"path": want["svg_path"], "bbox": want.get("bbox"), "completed": True}
+        assert events[0] == box if box else len(events) == 1 + bool(want["svg_path"])
+        assert "".join(e.get("chunk", "") for e in events) == want["svg_path"]
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": encoded.image_url}},
+                                                 {"type": "text", "text": "What is it?"}]}]
+        grpc = client.chat([{"role": "user", "content": [{"type": "image", "index": 0}, messages[0]["content"][1]]}],
+                           image, settings=GREEDY)
+        assert md.chat(messages, settings=GREEDY) == {"message": grpc["message"], "finish_reason": grpc["finish_reason"]}
+    finally:
+        gateway.stop()
 
 
 def test_sigterm_under_load_drains_admitted_requests_and_refuses_later_ones(tmp_path_factory, tiny_dir):

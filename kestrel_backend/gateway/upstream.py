@@ -42,7 +42,6 @@ class Replica:
     client: grpcaio.InferenceServerClient
     ready: bool = False
     inflight: int = 0
-    served: int = 0
     avoid_until: float = 0.0  # after it refused a request (draining, overloaded): none for a moment
 
     def available(self, now: float) -> bool:
@@ -146,7 +145,6 @@ class Upstream:
                         answered = True
                         yield body
                 else:
-                    replica.served += 1
                     self.on_outcome(replica.url, "served")
                     return
             except grpc.aio.AioRpcError as e:

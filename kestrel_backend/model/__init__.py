@@ -1,1 +1,2 @@
-"""Moondream 2 in PyTorch: config, vision encoder, text decoder, region heads, weights, tokenizer."""
+"""Moondream (2, 0.5B, 4-bit, 3) in PyTorch: config, vision encoder, text decoder (dense or mixture of experts),
+region heads, weights, tokenizer."""
