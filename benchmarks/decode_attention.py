@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_bench import timed  # noqa: E402
-from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
-from kestrel_backend.runtime import grouped_attention as ga  # noqa: E402
-from kestrel_backend.runtime import prefill_attention as pa  # noqa: E402
-from kestrel_backend.runtime.grouped_attention import GROUP, group_rows, grouped_attention  # noqa: E402
+from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
+from kestrel_backend.kernels import grouped_attention as ga  # noqa: E402
+from kestrel_backend.kernels import prefill_attention as pa  # noqa: E402
+from kestrel_backend.kernels.grouped_attention import GROUP, group_rows, grouped_attention  # noqa: E402
 
 HEADS, HEAD_DIM, ROPE_HALF, PAGE = 32, 64, 16, 16
 LENGTH, PREFIX = 776, 720  # positions a row (its new token included); the image prefix's whole pages

@@ -23,7 +23,8 @@ from benchmarks.gpu_bench import captured, timed  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
-from kestrel_backend.runtime import cuda_decode, decode_kernels as dk  # noqa: E402
+from kestrel_backend.runtime import cuda_decode
+from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import StepInputs, fused_decode_step  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 

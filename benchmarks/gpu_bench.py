@@ -37,7 +37,7 @@ from kestrel_backend.model.weights import random_weights  # noqa: E402
 from kestrel_backend.parity import result_matches, split_stream, submit_case, unpack_mask  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention  # noqa: E402
-from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
+from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder  # noqa: E402
 from kestrel_backend.runtime.cuda_graphs import capture  # noqa: E402
 from kestrel_backend.runtime.vision_graphs import CropEncoderGraphs  # noqa: E402

@@ -49,7 +49,7 @@ def main() -> None:
     from kestrel_backend.model.config import MoondreamConfig
     from kestrel_backend.model.moondream import Moondream
     from kestrel_backend.model.weights import random_weights
-    from kestrel_backend.runtime import decode_kernels as dk
+    from kestrel_backend.kernels import decode_kernels as dk
 
     out = Path(sys.argv[1])
     res = {"marks": []}

@@ -24,7 +24,7 @@ from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder  # noqa: E402
-from kestrel_backend.runtime.decode_kernels import GEMV_MAX_ROWS  # noqa: E402
+from kestrel_backend.kernels.decode_kernels import GEMV_MAX_ROWS  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 
 

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import fresh_queries, text_weight_bytes  # noqa: E402
 from benchmarks.kestrel_checkpoint import fp8_experts_beside_widened  # noqa: E402
-from kestrel_backend.runtime import moe_kernels  # noqa: E402
+from kestrel_backend.kernels import moe_kernels  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_bench import graph_timed  # noqa: E402
-from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
+from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
 
 COPIES = 4  # distinct weight sets per timed call: 4 x >= 42 MB, beyond the H100's 50 MB L2
 

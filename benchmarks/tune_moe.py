@@ -1,4 +1,4 @@
-"""Tile sizes and paths of Moondream 3's expert MLP (runtime/moe_kernels.py), timed on the GPU with full-size expert
+"""Tile sizes and paths of Moondream 3's expert MLP (kernels/moe_kernels.py), timed on the GPU with full-size expert
 weights (bf16, random) at a decode step's token count and a prefill's, in TFLOP/s and GB/s of expert weights.
 
     python benchmarks/tune_moe.py             # the prefill tile candidates below; the kernels against the grouped GEMM
@@ -23,7 +23,7 @@ from benchmarks.gpu_bench import graph_timed  # noqa: E402
 from kestrel_backend.model.config import MoeConfig  # noqa: E402
 from benchmarks.kestrel_checkpoint import fp8_experts  # noqa: E402
 from kestrel_backend.model.weights import Linear, MoE  # noqa: E402
-from kestrel_backend.runtime import moe_kernels as mk  # noqa: E402
+from kestrel_backend.kernels import moe_kernels as mk  # noqa: E402
 
 CANDIDATES = {
     "kernels": None,

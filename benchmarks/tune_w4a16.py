@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import ceilings, graph_timed  # noqa: E402
 from benchmarks.w4a16_bench import random_packed  # noqa: E402
 from kestrel_backend.model.config import TextConfig  # noqa: E402
-from kestrel_backend.runtime import w4a16_kernels  # noqa: E402
-from kestrel_backend.runtime.w4a16_kernels import w4_linear2_residual, w4_norm_linear  # noqa: E402
+from kestrel_backend.kernels import w4a16_kernels  # noqa: E402
+from kestrel_backend.kernels.w4a16_kernels import w4_linear2_residual, w4_norm_linear  # noqa: E402
 
 
 def sweep(m: int, bandwidth: float) -> list[dict]:

@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import ceilings, decode_steps, engine_golden_check, text_weight_bytes  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
-from kestrel_backend.model.packed import PackedWeight  # noqa: E402
+from kestrel_backend.kernels.packed import PackedWeight  # noqa: E402
 from kestrel_backend.model.weights import MLP, LayerNorm, Linear, random_weights  # noqa: E402
-from kestrel_backend.runtime import w4a16_kernels  # noqa: E402
-from kestrel_backend.runtime.w4a16_kernels import w4_linear2_residual, w4_norm_linear  # noqa: E402
+from kestrel_backend.kernels import w4a16_kernels  # noqa: E402
+from kestrel_backend.kernels.w4a16_kernels import w4_linear2_residual, w4_norm_linear  # noqa: E402
 
 GROUP = 128
 

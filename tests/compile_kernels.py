@@ -25,17 +25,17 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from kestrel_backend.model.config import MoeConfig, TextConfig, VisionConfig
-from kestrel_backend.model.packed import PackedWeight
+from kestrel_backend.kernels.packed import PackedWeight
 from kestrel_backend.model.weights import Linear, MoE
-from kestrel_backend.model.layer_norm_cuda import shifted_layer_norm
-from kestrel_backend.model.rope_cuda import rope_qk_inplace
-from kestrel_backend.model.tau_cuda import tau_inplace, tau_rows
-from kestrel_backend.runtime import decode_kernels as dk
-from kestrel_backend.runtime import lora_kernels as lk
-from kestrel_backend.runtime import moe_kernels as mk
-from kestrel_backend.runtime import w4a16_kernels as w4
-from kestrel_backend.runtime.grouped_attention import GROUP, grouped_attention
-from kestrel_backend.runtime.prefill_attention import prefill_attention
+from kestrel_backend.kernels.layer_norm_cuda import shifted_layer_norm
+from kestrel_backend.kernels.rope_cuda import rope_qk_inplace
+from kestrel_backend.kernels.tau_cuda import tau_inplace, tau_rows
+from kestrel_backend.kernels import decode_kernels as dk
+from kestrel_backend.kernels import lora_kernels as lk
+from kestrel_backend.kernels import moe_kernels as mk
+from kestrel_backend.kernels import w4a16_kernels as w4
+from kestrel_backend.kernels.grouped_attention import GROUP, grouped_attention
+from kestrel_backend.kernels.prefill_attention import prefill_attention
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
           torch.float64: "fp64", torch.float8_e4m3fn: "fp8e4nv"}

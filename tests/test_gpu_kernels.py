@@ -1,4 +1,4 @@
-"""The GPU kernels (runtime/decode_kernels.py, model/layer_norm_cuda.py) and the GPU code paths built
+"""The GPU kernels (kernels/decode_kernels.py, kernels/layer_norm_cuda.py) and the GPU code paths built
 on them, checked on the CPU with Triton's interpreter against the plain torch path they replace.
 float32 only: the interpreter computes bfloat16 tl.dot wrongly (numpy has no bfloat16); the bfloat16
 kernels are checked on the GPU by benchmarks/gpu_bench.py."""
@@ -15,12 +15,12 @@ pytest.importorskip("triton")
 
 from kestrel_backend.model.config import TextConfig  # noqa: E402
 from kestrel_backend.model.text import attend, rope_table, split_qkv_with_rope  # noqa: E402
-from kestrel_backend.runtime import decode_kernels as dk  # noqa: E402
+from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
 
 
 def segment_tensors(slots: list[int]) -> tuple[torch.Tensor, ...]:
     """The adapter kernels' segments of rows with these adapter slots, as the step's device tensors hold them."""
-    from kestrel_backend.runtime.lora_kernels import segments
+    from kestrel_backend.kernels.lora_kernels import segments
 
     return tuple(torch.tensor(v, dtype=torch.int32) for v in segments(slots))
 
@@ -111,7 +111,7 @@ def test_linear2_residual_matches_torch(m):
 
 def _random_packed(n, k, group, g):
     """A 4-bit weight as a checkpoint stores it, and as PackedWeight keeps it."""
-    from kestrel_backend.model.packed import PackedWeight
+    from kestrel_backend.kernels.packed import PackedWeight
 
     n_groups = n * k // group
     packed = torch.randint(0, 256, (n_groups // 2, group), generator=g, dtype=torch.uint8)
@@ -125,7 +125,7 @@ def test_packed_weights_dequantize_to_the_references_values(n, k, group):
     """PackedWeight (repacked for streaming) gives exactly the reference's bf16 weight: torch on the CPU, the
     Triton kernel (here in the interpreter) on the GPU."""
     from kestrel_backend.model.weights import dequantize
-    from kestrel_backend.runtime.w4a16_kernels import dequantize_packed
+    from kestrel_backend.kernels.w4a16_kernels import dequantize_packed
 
     parts, w = _random_packed(n, k, group, torch.Generator().manual_seed(n))
     ref = dequantize(*parts, (n, k))
@@ -139,8 +139,8 @@ def test_w4a16_kernels_match_torch_on_the_dequantized_weights(m, dtype):
     """float32: the GEMV (one or two rows) and tensor-core forms with the reference's roundings, to 1e-6. bf16:
     the GEMV by group sums (_w4_gemv), within bf16's rounding of the outputs (a wrong nibble,
     scale or zero point would be off by order 1)."""
-    from kestrel_backend.runtime import w4a16_kernels
-    from kestrel_backend.runtime.w4a16_kernels import w4_linear2_residual, w4_norm_linear
+    from kestrel_backend.kernels import w4a16_kernels
+    from kestrel_backend.kernels.w4a16_kernels import w4_linear2_residual, w4_norm_linear
 
     g = torch.Generator().manual_seed(m)
     k, ff, group = 256, 512, 128
@@ -211,7 +211,7 @@ def test_rotary_paged_attention_matches_rope_then_attention(splits):
 
 @pytest.mark.parametrize("tokens, heads", [(7, 4), (9, 3)])  # token blocks and head counts not filling the tiles
 def test_rope_kernel_matches_the_torch_rope(tokens, heads):
-    from kestrel_backend.model.rope_cuda import rope_qk_inplace
+    from kestrel_backend.kernels.rope_cuda import rope_qk_inplace
 
     cfg = TextConfig(dim=128, ff_dim=256, n_layers=1, n_heads=2, n_kv_heads=2)
     g = torch.Generator().manual_seed(tokens)
@@ -232,14 +232,15 @@ def test_prefill_attention_matches_the_torch_path(block_m, block_n, context_bloc
     longer than it, text-only sequences, grouped-query heads, and sequences whose first positions are in
     the cache already (an image prefix shared in part or in whole, a text continuation); the same outputs
     and cache rows."""
+    from kestrel_backend.kernels import prefill_attention as kernel
     from kestrel_backend.runtime import prefill_attention as pa
     from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention
     from kestrel_backend.runtime.kv_cache import PagedKVCache
     from kestrel_backend.runtime.prefill_attention import PrefillAttention
 
-    monkeypatch.setattr(pa, "BLOCK_M", block_m)
-    monkeypatch.setattr(pa, "BLOCK_N", block_n)
-    monkeypatch.setattr(pa, "CONTEXT_BLOCK_N", context_block_n)
+    monkeypatch.setattr(kernel, "BLOCK_M", block_m)
+    monkeypatch.setattr(kernel, "BLOCK_N", block_n)
+    monkeypatch.setattr(kernel, "CONTEXT_BLOCK_N", context_block_n)
     cfg = TextConfig(dim=64, ff_dim=128, n_layers=2, n_heads=4, n_kv_heads=2)  # head_dim 16
     g = torch.Generator().manual_seed(0)
     d, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -517,7 +518,7 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
     from kestrel_backend.runtime.kv_cache import PagedKVCache
 
     if fixture == "md2-tiny-4bit":  # (Moondream.from_checkpoint keeps 4-bit weights packed on a GPU only)
-        from kestrel_backend.model.packed import PackedWeight
+        from kestrel_backend.kernels.packed import PackedWeight
         from kestrel_backend.model.weights import build_weights, load_state
 
         config = Moondream.from_checkpoint(tiny_dir.parent / fixture).config
@@ -579,7 +580,7 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
                          model.rope[positions, :, 1].contiguous(), banned)
     grouped = splits == "grouped"  # the attention of groups of rows that share pages (here none do: groups of one)
     if grouped:
-        from kestrel_backend.runtime.grouped_attention import GROUP, group_rows
+        from kestrel_backend.kernels.grouped_attention import GROUP, group_rows
 
         groups, shared = np.zeros((n_seqs, GROUP), dtype=np.int32), np.zeros(n_seqs, dtype=np.int32)
         group_rows(tables.numpy(), positions.numpy(), 4, groups, shared)
@@ -709,7 +710,7 @@ def test_lora_kernels_give_each_row_its_own_adapters_deltas():
     """The three adapter kernels against torch, row by row: ranks below the pool's (3, 13) and at it (16), rows
     without an adapter (slot 0), segments of more than one 16-row tile, output columns not a multiple of the
     blocks."""
-    from kestrel_backend.runtime import lora_kernels as lk
+    from kestrel_backend.kernels import lora_kernels as lk
 
     torch.manual_seed(3)
     dim, nq, ff, cap, n = 128, 200, 300, 16, 70
@@ -779,7 +780,7 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, fp8, monkeypatc
     against the loop over the experts times their scales."""
     from benchmarks.kestrel_checkpoint import fp8_experts
     from kestrel_backend.model.text import moe_mlp
-    from kestrel_backend.runtime import moe_kernels as mk
+    from kestrel_backend.kernels import moe_kernels as mk
 
     if tokens >= 300:  # the bf16 prefill tiles (the interpreter's float32 is exact, and has room for them)
         monkeypatch.setattr(mk, "_tiles", lambda *_: mk.PREFILL_TILES)
@@ -806,7 +807,7 @@ def test_fp8_experts_with_widened_copies_are_read_as_fp8_only_in_decode_steps(to
     times their scales."""
     from benchmarks.kestrel_checkpoint import fp8_experts
     from kestrel_backend.model.text import moe_mlp
-    from kestrel_backend.runtime import moe_kernels as mk
+    from kestrel_backend.kernels import moe_kernels as mk
 
     if gemv:
         monkeypatch.setattr(mk, "GEMV_TILES", (dict(BLOCK_N=16, BLOCK_K=32, num_warps=4),) * 2)
@@ -828,7 +829,7 @@ def test_one_tokens_fp8_experts_as_gemvs_match_the_per_expert_loop(dtype, monkey
     against its slot's expert alone times its weight."""
     from benchmarks.kestrel_checkpoint import fp8_experts
     from kestrel_backend.model.text import moe_mlp, top_experts
-    from kestrel_backend.runtime import moe_kernels as mk
+    from kestrel_backend.kernels import moe_kernels as mk
 
     monkeypatch.setattr(mk, "GEMV_TILES", (dict(BLOCK_N=16, BLOCK_K=64, num_warps=4),
                                            dict(BLOCK_N=32, BLOCK_K=32, num_warps=4)))
@@ -860,7 +861,7 @@ def test_grouped_gemm_path_matches_the_per_expert_loop(tokens, top_k, fp8):
     FP8 experts widened to the activations' type first."""
     from benchmarks.kestrel_checkpoint import fp8_experts
     from kestrel_backend.model.text import moe_mlp
-    from kestrel_backend.runtime import moe_kernels as mk
+    from kestrel_backend.kernels import moe_kernels as mk
 
     gen = torch.Generator().manual_seed(8)
     moe = random_moe(gen, dim=96, inner=80, experts=12, top_k=top_k)
@@ -879,7 +880,7 @@ def test_experts_added_in_place_with_the_bias(tokens):
     """A MoE layer's residual: out + bias + the expert MLP, added in place (at 1,400 tokens inside the kernel that
     sums each token's rows on the grouped GEMM's path, at 40 after the expert kernels)."""
     from kestrel_backend.model.text import moe_mlp
-    from kestrel_backend.runtime import moe_kernels as mk
+    from kestrel_backend.kernels import moe_kernels as mk
 
     gen = torch.Generator().manual_seed(9)
     moe = random_moe(gen, dim=64, inner=64, experts=8, top_k=3)
@@ -898,7 +899,7 @@ def test_fp8_rows_for_the_w8a8_grouped_gemm():
     (the row's largest magnitude over 448), and the gated GELU's rows with theirs. Values on e4m3's grid in the
     first case, so the conversion is exact (the interpreter rounds some values up to the next power of two wrongly:
     0.06 of a row's norm against 0.025 on the GPU), within that in the second."""
-    from kestrel_backend.runtime import moe_kernels as mk
+    from kestrel_backend.kernels import moe_kernels as mk
 
     gen = torch.Generator().manual_seed(10)
     tokens, top_k, dim = 9, 3, 96
@@ -924,7 +925,7 @@ def test_route_kernel_picks_the_top_experts_and_groups_the_pairs(tokens, experts
     against torch's topk and softmax: the same top logits best first, equal logits in the order of their expert ids,
     the same weights; every (token, slot) pair in its expert's run, each once."""
     from kestrel_backend.model.text import top_experts
-    from kestrel_backend.runtime.moe_kernels import route_and_group
+    from kestrel_backend.kernels.moe_kernels import route_and_group
 
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(tokens, experts, generator=gen).round(decimals=1)  # (ties within rows)
@@ -948,7 +949,7 @@ def test_routing_takes_only_the_valid_leading_tokens(tokens, valid):
     """With a device count of valid tokens (a prefill graph's real rows), the route kernel (40 tokens) and the
     router kernel's last program (12) group the pairs of those tokens only, as routing them alone does: the padded
     tokens, NaN here, choose no expert (pair count valid * k), their gates left unwritten."""
-    from kestrel_backend.runtime import moe_kernels as mk
+    from kestrel_backend.kernels import moe_kernels as mk
 
     gen = torch.Generator().manual_seed(tokens)
     moe = random_moe(gen, dim=96, inner=80, experts=12, top_k=3)
@@ -968,7 +969,7 @@ def test_routing_takes_only_the_valid_leading_tokens(tokens, valid):
 def test_the_router_kernels_last_program_routes_as_the_route_kernel(tokens):
     """route_experts (the router's logits, then in the same launch its last program's routing) gives the gates and
     groups of route_and_group on router_logits, twice in a row: its done counter is back at zero after a launch."""
-    from kestrel_backend.runtime import moe_kernels as mk
+    from kestrel_backend.kernels import moe_kernels as mk
 
     gen = torch.Generator().manual_seed(tokens)
     moe = random_moe(gen, dim=96, inner=80, experts=12, top_k=3)
@@ -989,7 +990,7 @@ def test_one_tokens_top_experts_ranked_in_the_router_kernel_match_torchs_topk(ex
     in a row (its done counter back at zero)."""
     from kestrel_backend.model.text import top_experts
     from kestrel_backend.model.weights import Linear
-    from kestrel_backend.runtime import moe_kernels as mk
+    from kestrel_backend.kernels import moe_kernels as mk
 
     gen = torch.Generator().manual_seed(experts)
     logits = torch.randn(experts, generator=gen).round(decimals=1)
@@ -1014,7 +1015,7 @@ def test_residual_norm_kernel_matches_torch(top_k, norm):
     norm) against torch's ops, on rows of a width that is not a power of two."""
     from kestrel_backend.model.layers import layer_norm
     from kestrel_backend.model.weights import LayerNorm
-    from kestrel_backend.runtime.residual_kernels import residual_norm
+    from kestrel_backend.kernels.residual_kernels import residual_norm
 
     gen = torch.Generator().manual_seed(7)
     t, n = 5, 96
@@ -1030,7 +1031,7 @@ def test_residual_norm_kernel_matches_torch(top_k, norm):
 @pytest.mark.parametrize("tokens", [1, 6])
 def test_tau_kernel_matches_the_torch_scales(tokens):
     """Moondream 3's tau scaling in one kernel, in place, against text.tau_scales at positions past 4,096."""
-    from kestrel_backend.model.tau_cuda import tau_inplace
+    from kestrel_backend.kernels.tau_cuda import tau_inplace
     from kestrel_backend.model.text import tau_scales, tau_token_part
     from kestrel_backend.model.weights import Tau
 
@@ -1069,7 +1070,7 @@ def _shared_prefix_tables(page: int, g):
 
 @pytest.mark.parametrize("rotate", [True, False])  # the decode step's unrotated qkv; a flat step's rotated q/k rows
 def test_grouped_attention_matches_attention_over_each_rows_pages(rotate):
-    from kestrel_backend.runtime.grouped_attention import GROUP, group_rows, grouped_attention
+    from kestrel_backend.kernels.grouped_attention import GROUP, group_rows, grouped_attention
 
     cfg = TextConfig(dim=256, ff_dim=512, n_layers=1, n_heads=4, n_kv_heads=2)  # grouped-query, head_dim 64
     g = torch.Generator().manual_seed(1)
@@ -1118,7 +1119,7 @@ def test_grouped_attention_matches_attention_over_each_rows_pages(rotate):
 def test_tau_of_a_few_rows_in_one_kernel_matches_the_torch_path(dtype):
     """tau_rows (the token part's GELU and product inside the kernel, out of place) against the torch path's
     scales, one row at position 3 and one at 4,100 (past 2,048 and 4,096), k left as it is."""
-    from kestrel_backend.model.tau_cuda import tau_rows
+    from kestrel_backend.kernels.tau_cuda import tau_rows
     from kestrel_backend.model.text import tau_scales
     from kestrel_backend.model.weights import Tau
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .config import TextConfig
 from .layers import layer_norm, linear, mlp, mlp_hidden
 from .lora import LoraRows
-from .packed import dense
+from ..kernels.packed import dense
 from .weights import MoE, Tau, TextBlock, TextWeights
 
 
@@ -61,7 +61,7 @@ def apply_tau(qkv: torch.Tensor, positions: torch.Tensor, tau: Tau, config: Text
     """qkv with its q and v heads scaled by tau_scales (tau needs n_kv_heads == n_heads); in place on a GPU."""
     n, hd, heads = qkv.shape[0], config.head_dim, config.n_heads
     if qkv.is_cuda:
-        from .tau_cuda import tau_inplace
+        from ..kernels.tau_cuda import tau_inplace
 
         tau_inplace(qkv, tau_token_part(qkv, tau), tau.alpha, positions, heads, hd)
         return qkv
@@ -86,7 +86,7 @@ def moe_mlp(x: torch.Tensor, moe: MoE) -> torch.Tensor:
     """[T, dim] -> [T, dim]: each token through its top-k experts, weighted by the softmax of their router
     logits. Experts run one after another over the tokens routed to them (on a GPU: grouped kernels, no sync)."""
     if x.is_cuda:
-        from ..runtime.moe_kernels import moe_mlp_cuda
+        from ..kernels.moe_kernels import moe_mlp_cuda
 
         return moe_mlp_cuda(x, moe)
     top_ids, weights = route_tokens(x, moe.router.weight, moe.router.bias, moe.top_k)
@@ -106,7 +106,7 @@ def split_qkv_with_rope(qkv: torch.Tensor, cos, sin, config: TextConfig):
     n, hd = qkv.shape[0], config.head_dim
     q_dim, kv_dim = config.n_heads * hd, config.n_kv_heads * hd
     if qkv.is_cuda:
-        from .rope_cuda import rope_qk_inplace
+        from ..kernels.rope_cuda import rope_qk_inplace
 
         rope_qk_inplace(qkv, cos, sin, config.n_heads + config.n_kv_heads, hd)
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
@@ -146,7 +146,7 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
             proj = dense(block.proj.weight).t()
             x = torch.addmm(x, out, proj) if i == 0 else x.addmm_(out, proj)  # in place past layer 0: x is ours then
             if block.moe is not None:
-                from ..runtime.moe_kernels import add_moe_mlp
+                from ..kernels.moe_kernels import add_moe_mlp
 
                 add_moe_mlp(x, h, block.moe, block.out_bias, getattr(attention, "valid_rows", None))
             else:

@@ -79,7 +79,7 @@ def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig,
                         out: torch.Tensor | None = None, early: dict | None = None) -> torch.Tensor:
     """The same blocks with the residual adds done by the output GEMMs (in place, beta = 1). Their biases
     are left out of the stream and added back by the next norm: w.bias_sums[i] sums all biases before it."""
-    from .layer_norm_cuda import shifted_layer_norm
+    from ..kernels.layer_norm_cuda import shifted_layer_norm
 
     b, n, d = x.shape
     x = x.view(b * n, d)

@@ -25,7 +25,7 @@ import torch
 
 from ..config import FP8_EXPERT_MODES
 from .config import MoondreamConfig
-from .packed import PackedWeight
+from ..kernels.packed import PackedWeight
 
 
 log = logging.getLogger(__name__)

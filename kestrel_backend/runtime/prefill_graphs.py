@@ -18,6 +18,7 @@ import torch
 
 from ..model.layers import to_device
 from ..model.moondream import Moondream
+from ..kernels import prefill_attention as kernel
 from . import prefill_attention as pa
 from .attention import SeqSlice
 from .cuda_graphs import CapturedGraphs
@@ -39,7 +40,7 @@ class _BucketAttention:
     def __call__(self, layer: int, q, k, v):
         o = self.owner
         kc, vc = o.cache.k[layer], o.cache.v[layer]
-        out = pa.prefill_attention(q, k, v, kc, vc, o.slots[:self.rows], o.work[:pa.WORK_FIELDS * self.items],
+        out = kernel.prefill_attention(q, k, v, kc, vc, o.slots[:self.rows], o.work[:kernel.WORK_FIELDS * self.items],
                                    o.context)
         pa.attend_one_rows(q, k, v, kc, vc, o.cache.page_size, o.one_row_views, out)  # (no groups: nothing)
         return out
@@ -48,7 +49,7 @@ class _BucketAttention:
 def _work_items(rows: int, seqs: int) -> int:
     """Work items (query tiles) that `seqs` sequences packed into `rows` rows can need: each may add a
     partial tile."""
-    return rows // pa.BLOCK_M + seqs - 1
+    return rows // kernel.BLOCK_M + seqs - 1
 
 
 class PrefillGraphs:
@@ -57,7 +58,7 @@ class PrefillGraphs:
     (fits()). On a CPU (tests) the same padded forward runs eagerly."""
 
     def __init__(self, model: Moondream, cache: PagedKVCache, max_context: int, max_seqs: int = 1):
-        assert BUCKET % pa.BLOCK_M == 0
+        assert BUCKET % kernel.BLOCK_M == 0
         self.model, self.cache = model, cache
         # sequences per graph (the LM head's rows): one, or up to max_seqs (spare attention programs exit at once)
         self.seq_buckets = sorted({1, max_seqs})
@@ -67,7 +68,7 @@ class PrefillGraphs:
         self.positions = torch.zeros(rows, device=dev, dtype=torch.long)
         self.slots = torch.zeros(rows, device=dev, dtype=torch.long)  # (the kernel reads those of real rows only)
         self.context = torch.zeros(seqs * max_context, device=dev, dtype=torch.long)  # cache rows of cached positions
-        self.work = torch.zeros(pa.WORK_FIELDS * _work_items(rows, seqs), device=dev, dtype=torch.int32)
+        self.work = torch.zeros(kernel.WORK_FIELDS * _work_items(rows, seqs), device=dev, dtype=torch.int32)
         # a mixed step's decode rows (pa.one_new_row) as grouped_attention's groups, while their pages fit the tables
         self.one_rows = pa.OneRowGroups(seqs, cache.pages_for(rows))
         self.one_rows_packed = torch.full((self.one_rows.size(seqs),), -1, device=dev, dtype=torch.int32)
@@ -116,7 +117,7 @@ class PrefillGraphs:
         self.one_rows_packed[:len(packed)].copy_(to_device(packed, torch.int32, self.x.device))
         context = pa.context_slots(self.cache, slices, grouped)
         self.context[:context.numel()].copy_(context)
-        work = torch.zeros(pa.WORK_FIELDS * _work_items(rows, seqs), dtype=torch.int32)  # zeros: empty items
+        work = torch.zeros(kernel.WORK_FIELDS * _work_items(rows, seqs), dtype=torch.int32)  # zeros: empty items
         items = pa.work_items(slices, grouped)
         work[:len(items)] = torch.tensor(items, dtype=torch.int32)
         self.work[:work.numel()].copy_(to_device(work, torch.int32, self.work.device))

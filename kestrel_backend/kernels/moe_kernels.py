@@ -27,14 +27,15 @@ are widened to bf16 (weight * scale, one pass) into scratch, unless widened copi
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..model.weights import MoE
+if TYPE_CHECKING:  # (the expert weights' holder: model/ imports this module, not the other way)
+    from ..model.weights import MoE
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The decode step's matmuls for 4-bit weights (model/packed.py's PackedWeight), reading the packed bytes: W4A16.
+"""The decode step's matmuls for 4-bit weights (kernels/packed.py's PackedWeight), reading the packed bytes: W4A16.
 
 The two kernels of a layer that hold its weights have 4-bit twins: `w4_norm_linear` (layer norm, qkv and fc1 with
 its GELU, on the shared normed input) and `w4_linear2_residual` (proj and fc2 onto the residual). Each program
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.packed import PackedWeight
+from .packed import PackedWeight
 from .decode_kernels import (GEMV_MAX_ROWS, LN_EPS, _after_previous_kernel, _gelu_tanh, _input_chunk, _mac, _pdl,
                              _precision, _row_stats, _stats_chunk, _store_columns)
 

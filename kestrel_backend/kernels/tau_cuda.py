@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime.moe_kernels import exact_gelu
+from .moe_kernels import exact_gelu
 
 TOKENS_PER_PROGRAM = 4
 

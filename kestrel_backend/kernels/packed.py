@@ -6,7 +6,7 @@ its low one, so the first half of W's rows in the high nibbles), with a `scale` 
 W = (q - zero_point) * scale. Here the same 4-bit values are laid out for streaming: byte [n, j] holds q[n, 2j] in
 its low nibble and q[n, 2j + 1] in its high one; scale and zero stay [G], in their checkpoint dtype.
 Nothing changes value: dequantize() gives exactly the reference's bf16 weight (it rounds to bf16 after the
-subtraction and after the product), on the GPU by a Triton kernel (runtime/w4a16_kernels.py), which also has the
+subtraction and after the product), on the GPU by a Triton kernel (kernels/w4a16_kernels.py), which also has the
 decode step's matmuls that read these bytes directly.
 """
 
@@ -57,7 +57,7 @@ class PackedWeight:
     def dequantize(self) -> torch.Tensor:
         """W [N, K] in self.dtype: the reference's bf16 values (a transient copy: prefill and eager paths)."""
         if self.data.is_cuda:
-            from ..runtime.w4a16_kernels import dequantize_packed
+            from .w4a16_kernels import dequantize_packed
 
             return dequantize_packed(self)
         n, k = self.shape
