@@ -355,10 +355,11 @@ class InferenceEngine:
             gen = self._generation(skill, settings, reasoning, object_text)
             prefix = self.model.config.text.prefix_attn if key is not None else 0
             prompt_len = prefix + len(ids)
-            if prompt_len >= self.max_context and skill == "chat":
-                raise InvalidRequest(f"MESSAGES: the conversation needs {prompt_len} positions with its image, more "
-                                     f"than the model's context of {self.max_context}; send fewer or shorter turns")
             if prompt_len >= self.max_context:
+                if skill == "chat":
+                    raise InvalidRequest(f"MESSAGES: the conversation needs {prompt_len} positions with its image, "
+                                         f"more than the model's context of {self.max_context}; send fewer or "
+                                         "shorter turns")
                 field = {"query": "QUESTION", "caption": "prompt"}.get(skill, "OBJECT")
                 raise InvalidRequest(f"{field} is too long: {prompt_len} tokens with the image, context is {self.max_context}")
             capacity = min(self.max_context, prompt_len + _new_positions(skill, settings, reasoning))

@@ -48,14 +48,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_ready(server, what: str, url: str, timeout: float) -> None:
+    """Until `url` answers 200; the end of server.log in the error if server.proc exits or the timeout passes."""
+    import time
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited: {server.log.read_text()[-3000:]}")
+        try:
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                return
+        except OSError:
+            time.sleep(0.3)
+    server.stop()
+    raise RuntimeError(f"{what} was not ready: {server.log.read_text()[-3000:]}")
+
+
 class TritonProcess:
     """A real tritonserver (nvidia-pytriton wheel) on free ports with our repository, tiny checkpoint, CPU."""
 
     def __init__(self, work, ports: tuple[int, int, int] | None = None, **env):
         """ports: (http, grpc, metrics), to start a server again where one stopped; free ones by default."""
         import subprocess
-        import time
-        import urllib.request
 
         from kestrel_backend.triton.local_server import server_command
 
@@ -66,17 +82,7 @@ class TritonProcess:
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
         self.grpc, self.http = f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}"
         self.metrics = f"http://127.0.0.1:{metrics}/metrics"
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited: {self.log.read_text()[-3000:]}")
-            try:
-                if urllib.request.urlopen(self.http + "/v2/health/ready", timeout=2).status == 200:
-                    return
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"tritonserver not ready: {self.log.read_text()[-3000:]}")
+        _wait_ready(self, "tritonserver", self.http + "/v2/health/ready", 180)
 
     def __getitem__(self, key):  # tests read server["grpc"], server["metrics"], ...
         return getattr(self, key)
@@ -123,8 +129,6 @@ class GatewayProcess:
         import os
         import subprocess
         import sys
-        import time
-        import urllib.request
 
         port = _free_port()
         cmd = [sys.executable, "-m", "kestrel_backend.gateway", "--port", str(port), "--host", "127.0.0.1",
@@ -133,17 +137,7 @@ class GatewayProcess:
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=open(self.log, "w"),
                                      stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited: {self.log.read_text()[-3000:]}")
-            try:
-                if urllib.request.urlopen(self.url + "/readyz", timeout=2).status == 200:
-                    return
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"the gateway was not ready: {self.log.read_text()[-3000:]}")
+        _wait_ready(self, "the gateway", self.url + "/readyz", 60)
 
     def stop(self):
         self.proc.terminate()

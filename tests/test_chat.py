@@ -2,6 +2,7 @@
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from kestrel_backend.config import RuntimeConfig
@@ -12,6 +13,7 @@ from kestrel_backend.skills.generation import Prompt, ReasoningThenAnswer, TextG
 from kestrel_backend.skills.prompts import query_prompt
 from kestrel_backend.skills.settings import Settings
 from kestrel_backend.skills.single import run_single
+from kestrel_backend.triton.protocol import parse_request
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +130,10 @@ def test_a_second_turn_on_the_same_image_reads_its_prefix_from_the_cache(engine,
     ("[" * 100000, "MESSAGES is"),
 ])
 def test_bad_messages_are_refused_naming_the_problem(raw, message):
+    """As the wire sends them: MESSAGES as JSON text, one image beside it in IMAGE."""
+    inputs = {"SKILL": b"chat", "MESSAGES": raw.encode(), "IMAGE": b"\x89PNG..."}
     with pytest.raises(InvalidRequest, match=message):
-        parse_messages(raw, [b"\x89PNG..."])
+        parse_request(lambda name: np.array([inputs[name]], dtype=np.object_) if name in inputs else None)
 
 
 def test_a_conversation_longer_than_the_context_is_refused_naming_the_positions(engine):

@@ -15,21 +15,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.moondream import Moondream
-from ..kernels.packed import PackedWeight
-from ..model.layers import layer_norm, linear, mlp, mlp_hidden
-from ..kernels.tau_cuda import tau_rows
-from ..model.text import apply_tau
-from .cuda_graphs import CapturedGraphs
 from ..kernels.decode_kernels import (FED_BACK, GEMV_MAX_ROWS, banned_greedy, embed_rows, gpu_paths, greedy_tokens,
-                             linear2_residual, norm_linear, norm_linear_attention, one_kernel_counters,
-                             rotary_paged_attention)
+                                      linear2_residual, norm_linear, norm_linear_attention, one_kernel_counters,
+                                      rotary_paged_attention)
 from ..kernels.grouped_attention import GROUP, group_rows, grouped_attention
-from .kv_cache import PagedKVCache
 from ..kernels.lora_kernels import lora_expand_in, lora_expand_out, lora_shrink, segments
 from ..kernels.moe_kernels import moe_mlp_cuda
+from ..kernels.packed import PackedWeight
 from ..kernels.residual_kernels import residual_norm
+from ..kernels.tau_cuda import tau_rows
 from ..kernels.w4a16_kernels import w4_linear2_residual, w4_norm_linear
+from ..model.layers import layer_norm, linear, mlp, mlp_hidden
+from ..model.moondream import Moondream
+from ..model.text import apply_tau
+from .cuda_graphs import CapturedGraphs
+from .kv_cache import PagedKVCache
 
 
 log = logging.getLogger("kestrel.decode")

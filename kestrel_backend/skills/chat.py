@@ -11,7 +11,6 @@ at most one image, in its first user message; turns after it attend to it causal
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,16 +29,9 @@ class ChatMessage:
     images: tuple[bytes, ...] = ()
 
 
-def parse_messages(raw: str | list, attached: list[bytes]) -> list[ChatMessage]:
-    """MESSAGES (JSON text, or its value) -> messages. An image part is `{"type": "image_url", "image_url": {"url":
-    <data URL or base64>}}`, or `{"type": "image", "index": i}`, the i-th image sent beside (IMAGE over gRPC)."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise InvalidRequest(f"MESSAGES is not valid JSON: {e.msg}") from None
-        except RecursionError:
-            raise InvalidRequest("MESSAGES is nested too deeply") from None
+def parse_messages(raw, attached: list[bytes]) -> list[ChatMessage]:
+    """MESSAGES' decoded JSON -> messages. An image part is `{"type": "image_url", "image_url": {"url": <data URL or
+    base64>}}`, or `{"type": "image", "index": i}`, the i-th image sent beside (IMAGE over gRPC)."""
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("MESSAGES must be a non-empty JSON list of messages")
     messages = [_message(i, m, attached) for i, m in enumerate(raw)]

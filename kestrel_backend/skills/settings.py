@@ -76,5 +76,6 @@ def _adapter(values) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str) or not ADAPTER_ID.fullmatch(v) or ".." in v:
-        raise SettingsError(f"SETTINGS: {key} must be an adapter id (letters, digits, . _ - @; at most 128), got {shown(v)}")
+        raise SettingsError(f"SETTINGS: {key} must be an adapter id (letters, digits, . _ - @; at most 128), "
+                            f"got {shown(v)}")
     return v

@@ -59,6 +59,19 @@ def _text(name: str, arr: np.ndarray | None) -> str | None:
         raise InvalidRequest(f"{name} is not valid UTF-8 text") from None
 
 
+def _json(name: str, arr: np.ndarray | None):
+    """A JSON input's value (None when absent)."""
+    text = _text(name, arr)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"{name} is not valid JSON: {e.msg}") from None
+    except RecursionError:
+        raise InvalidRequest(f"{name} is nested too deeply") from None
+
+
 def _flag(name: str, arr: np.ndarray | None) -> bool | None:
     if arr is None:
         return None
@@ -106,22 +119,15 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
         raise InvalidRequest("SKILL is required")
     if skill not in SKILLS:
         raise InvalidRequest(f"SKILL must be one of {', '.join(SKILLS)}; got {shown(skill)}")
-    settings = _text("SETTINGS", get("SETTINGS"))
-    if settings is not None:
-        try:
-            settings = json.loads(settings)
-        except json.JSONDecodeError as e:
-            raise InvalidRequest(f"SETTINGS is not valid JSON: {e.msg}") from None
-        except RecursionError:
-            raise InvalidRequest("SETTINGS is nested too deeply") from None
-        if not isinstance(settings, dict):
-            raise InvalidRequest("SETTINGS must be a JSON object")
+    settings = _json("SETTINGS", get("SETTINGS"))
+    if settings is not None and not isinstance(settings, dict):
+        raise InvalidRequest("SETTINGS must be a JSON object")
     settings = _merge_setting_tensors(get, settings)
     spatial_refs = _spatial_refs(get("SPATIAL_REFS"))
     if spatial_refs is not None and skill != "query":
         raise InvalidRequest(f"SPATIAL_REFS is only taken by the query skill, not {skill}")
     image = image_bytes(_bytes("IMAGE", get("IMAGE")))
-    messages = _text("MESSAGES", get("MESSAGES"))
+    messages = _json("MESSAGES", get("MESSAGES"))
     if skill == "chat":
         if messages is None:
             raise InvalidRequest("MESSAGES is required for SKILL chat")
