@@ -101,8 +101,12 @@ class Upstream:
         await asyncio.gather(*[self._probe(r) for r in self.replicas.values()])
 
     async def _probe(self, replica: Replica) -> None:
+        """Its answer, or not ready when it cannot be reached; a probe that only ran late (a busy host) changes
+        nothing: it had taken healthy replicas out of the rotation during a rolling restart."""
         try:
             replica.ready = await asyncio.wait_for(replica.client.is_model_ready(self.model), 2.0)
+        except asyncio.TimeoutError:
+            pass
         except Exception:
             replica.ready = False
 
