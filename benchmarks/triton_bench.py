@@ -8,6 +8,8 @@
         (one server after another on 1, 2 and 4 GPUs of this machine, the several-GPU config past one; two
          questions on each fresh image, sent together, as in Kestrel's method: the prefix-cache hit rate shows
          how often Triton gives both to the same engine)
+    python benchmarks/triton_bench.py --gpus 2 4 --one-server-per-gpu --fresh-images --questions-per-image 2
+        (instead, 2 and then 4 servers of one GPU each behind one gateway, which routes each request by its image)
 
 Writes a FULL-SIZE Moondream 2 checkpoint of random bf16 weights (with the fixture's tokenizer) to a
 temporary folder, starts tritonserver on model_repository/ with it (kestrel_backend.triton.local_server),
@@ -71,12 +73,14 @@ def write_checkpoint(folder: Path, family: str = "moondream2") -> None:
 
 
 def start_server(checkpoint: Path, work: Path, max_batch: int, ports: tuple[int, int, int], log,
-                 gpus: int | None = None) -> subprocess.Popen:
+                 gpus: int | None = None, gpu: int | None = None) -> subprocess.Popen:
     """ports: (http, grpc, metrics). gpus: serve on the first `gpus` GPUs (past one, the several-GPU config: one
-    engine per GPU); None: as the environment says."""
+    engine per GPU); gpu: serve on that one GPU only; neither: as the environment says."""
     cmd, env = server_command(*ports, work=work)
     env.update(KESTREL_MODEL_PATH=str(checkpoint), KESTREL_MAX_BATCH_SIZE=str(max_batch), KESTREL_MAX_QUEUE="4096")
-    if gpus is not None:
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    elif gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
         if gpus > 1:
             cmd.append("--model-config-name=multi_gpu")
@@ -105,10 +109,10 @@ def wait_ready(url: str, server: subprocess.Popen, timeout: float, model: str = 
 @contextlib.contextmanager
 def served(max_batch: int, ports: tuple[int, int, int], checkpoint: Path | None = None, log_path: Path | None = None,
            ready_timeout: float = 600, stop_timeout: float = 90, stopped: dict | None = None, gpus: int | None = None,
-           family: str = "moondream2"):
+           family: str = "moondream2", gpu: int | None = None, wait: bool = True):
     """tritonserver serving `checkpoint` (default: full-size random bf16 weights written to a temporary folder)
     -> (the server process, seconds until the model was ready). On leaving, it is told to stop and killed if it
-    has not within stop_timeout; `stopped` gets its exit code, how long stopping took, whether it was killed and
+    has not within stop_timeout (wait=False: yields at once, with None for the seconds); `stopped` gets its exit code, how long stopping took, whether it was killed and
     how many fatal errors the Python backend's stub logged (a crash at unload, which the server itself survives)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -118,12 +122,14 @@ def served(max_batch: int, ports: tuple[int, int, int], checkpoint: Path | None 
             write_checkpoint(checkpoint, family)
         with open(log_path or folder / "tritonserver.log", "a") as log:
             log_start = log.tell()  # (one log may hold several servers, one after another)
-            server = start_server(checkpoint, folder / "runtime", max_batch, ports, log, gpus)
+            server = start_server(checkpoint, folder / "runtime", max_batch, ports, log, gpus, gpu)
             try:
-                try:
-                    ready_s = wait_ready(f"localhost:{ports[1]}", server, ready_timeout)
-                except SystemExit as e:
-                    raise SystemExit(f"{e}; the end of its log:\n{Path(log.name).read_text()[-6000:]}") from None
+                ready_s = None
+                if wait:
+                    try:
+                        ready_s = wait_ready(f"localhost:{ports[1]}", server, ready_timeout)
+                    except SystemExit as e:
+                        raise SystemExit(f"{e}; the end of its log:\n{Path(log.name).read_text()[-6000:]}") from None
                 yield server, ready_s
             finally:
                 t0, killed = time.time(), False
@@ -146,10 +152,10 @@ SERVER_SUMS = {"kestrel_time_to_first_token_seconds_sum": "engine_ttft_s", "kest
                "kestrel_prefix_cache_hits_total": "prefix_hits"}
 
 
-def server_sums(metrics_url: str) -> dict[str, float]:
-    """The metrics above, summed over their labels."""
-    text = scrape(metrics_url)
-    return {key: metric_sum(text, name) for name, key in SERVER_SUMS.items()}
+def server_sums(metrics_urls: list[str]) -> dict[str, float]:
+    """The metrics above, summed over their labels and over the servers."""
+    texts = [scrape(url) for url in metrics_urls]
+    return {key: sum(metric_sum(text, name) for text in texts) for name, key in SERVER_SUMS.items()}
 
 
 def server_means(before: dict, after: dict) -> dict:
@@ -231,11 +237,13 @@ async def run_requests(url: str, images: list[bytes], concurrency: int, requests
 
 
 @contextlib.contextmanager
-def gateway(grpc_url: str, port: int, log):
-    """The gateway (python -m kestrel_backend.gateway) in front of the server, until the block ends."""
+def gateway(grpc_urls: list[str], port: int, log):
+    """The gateway (python -m kestrel_backend.gateway) in front of the servers, until the block ends: (its url, its
+    process id)."""
     import urllib.request
 
-    proc = subprocess.Popen([sys.executable, "-m", "kestrel_backend.gateway", "--triton", grpc_url, "--port", str(port),
+    replicas = [arg for url in grpc_urls for arg in ("--triton", url)]
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel_backend.gateway", *replicas, "--port", str(port),
                              "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -247,10 +255,16 @@ def gateway(grpc_url: str, port: int, log):
                 time.sleep(0.5)
         else:
             raise SystemExit("the gateway did not get ready")
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process of this machine (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def client_part(url: str, images: list[bytes], concurrency: int, max_tokens: int, per_stream: int = 2) -> dict:
@@ -327,6 +341,8 @@ def main() -> int:
                    "for a closed loop's steady state rather than its first wave")
     p.add_argument("--gateway", action="store_true", help="each level also through the gateway (the Moondream API, "
                    "HTTP and server-sent events), right after it over gRPC")
+    p.add_argument("--one-server-per-gpu", action="store_true", help="with --gpus: N servers of one GPU each behind "
+                   "one gateway (which routes by image), every level through the gateway, instead of one server on N")
     args = p.parse_args()
     per_stream, repeat = args.requests_per_stream, args.questions_per_image
     cached, seen = (None if args.fresh_images else query_images()), 0
@@ -338,8 +354,7 @@ def main() -> int:
         n = -(-per_stream * concurrency // repeat)
         seen += n
         return [image for image in fresh_images(n, seen - n) for _ in range(repeat)]
-    ports = (args.grpc_port - 1, args.grpc_port, args.grpc_port + 1)  # http, grpc, metrics
-    url, metrics_url = f"localhost:{ports[1]}", f"http://localhost:{ports[2]}/metrics"
+    ports = (args.grpc_port - 1, args.grpc_port, args.grpc_port + 1)  # http, grpc, metrics (server i: 10 i above)
     pool = None
     if args.client_processes > 1:
         pool = ProcessPoolExecutor(args.client_processes, mp_context=multiprocessing.get_context("spawn"))
@@ -350,26 +365,49 @@ def main() -> int:
             checkpoint = Path(tmp)
             write_checkpoint(checkpoint, args.model)
         for gpus in args.gpus or [None]:
-            stopped = {}
-            with served(args.max_batch or max(args.concurrency), ports, checkpoint, args.log, args.ready_timeout,
-                        stop_timeout=args.stop_timeout, stopped=stopped, gpus=gpus) as (_, ready_s):
-                print(f"model ready after {ready_s:.1f} s ({gpus or 'default'} GPUs)", flush=True)
+            # one server on `gpus` GPUs, or with --one-server-per-gpu, `gpus` servers of one GPU each behind the gateway
+            n_servers = gpus if args.one_server_per_gpu else 1
+            all_ports = [tuple(port + 10 * i for port in ports) for i in range(n_servers)]
+            urls = [f"localhost:{p[1]}" for p in all_ports]
+            metrics_urls = [f"http://localhost:{p[2]}/metrics" for p in all_ports]
+            stopped = [{} for _ in all_ports]
+            with contextlib.ExitStack() as stack:
+                servers = [stack.enter_context(served(  # started together, then waited for
+                    args.max_batch or max(args.concurrency), p, checkpoint, args.log, args.ready_timeout,
+                    stop_timeout=args.stop_timeout, stopped=stop, gpus=None if args.one_server_per_gpu else gpus,
+                    gpu=i if args.one_server_per_gpu else None, wait=False))[0]
+                    for i, (p, stop) in enumerate(zip(all_ports, stopped))]
+                t0 = time.perf_counter()
+                for server, server_url in zip(servers, urls):
+                    wait_ready(server_url, server, args.ready_timeout)
+                ready_s = time.perf_counter() - t0
+                print(f"model ready after {ready_s:.1f} s ({gpus or 'default'} GPUs, {n_servers} servers)", flush=True)
                 procs = args.client_processes
-                # warm-up: graphs, and unless fresh images are asked for, the image and prefix caches
                 fresh = args.fresh_images
-                level(url, images_for(max(args.concurrency)), max(args.concurrency), args.max_tokens, pool, procs,
-                      fresh, per_stream)
+                gateway_url, gateway_pid = (stack.enter_context(gateway(
+                    urls, ports[2] + 1 + 10 * n_servers, args.log.open("a") if args.log else subprocess.DEVNULL))
+                    if args.gateway or args.one_server_per_gpu else (None, None))
+                paths = [("gateway", gateway_url)] if args.one_server_per_gpu else (
+                    [("grpc", urls[0])] + ([("gateway", gateway_url)] if gateway_url else []))
+                # warm-up (every path): graphs, and unless fresh images are asked for, the image and prefix caches
+                for _, target in paths:
+                    level(target, images_for(max(args.concurrency)), max(args.concurrency), args.max_tokens, pool,
+                          procs, fresh, per_stream)
                 rows = []
-                with (gateway(url, ports[2] + 1, args.log.open("a") if args.log else subprocess.DEVNULL)
-                      if args.gateway else contextlib.nullcontext()) as gateway_url:
-                    for c in args.concurrency:
-                        for path, target in [("grpc", url)] + ([("gateway", gateway_url)] if gateway_url else []):
-                            images = images_for(c)
-                            before = server_sums(metrics_url)
-                            rows.append(level(target, images, c, args.max_tokens, pool, procs, fresh, per_stream))
-                            time.sleep(1.5)  # (Triton refreshes its metrics about every second)
-                            rows[-1].update(server_means(before, server_sums(metrics_url)), gpus=gpus, path=path)
-                            rows[-1]["prefix_hit_rate"] = rows[-1]["prefix_cache_hits"] / rows[-1]["requests"]
+                for c in args.concurrency:
+                    for path, target in paths:
+                        images = images_for(c)
+                        before = server_sums(metrics_urls)
+                        gateway_cpu = cpu_seconds(gateway_pid) if gateway_pid else 0.0
+                        rows.append(level(target, images, c, args.max_tokens, pool, procs, fresh, per_stream))
+                        if path == "gateway":  # the gateway is one process: its CPU share says whether it sets the pace
+                            rows[-1]["gateway_cpu_share"] = ((cpu_seconds(gateway_pid) - gateway_cpu)
+                                                             / (rows[-1]["requests"] / rows[-1]["req_per_s"]))
+                        time.sleep(1.5)  # (Triton refreshes its metrics about every second)
+                        rows[-1].update(server_means(before, server_sums(metrics_urls)), gpus=gpus, path=path,
+                                        servers=n_servers)
+                        rows[-1]["prefix_hit_rate"] = rows[-1]["prefix_cache_hits"] / rows[-1]["requests"]
+            stopped = stopped[0] if n_servers == 1 else stopped
             runs.append({"gpus": gpus, "ready_s": ready_s, "levels": rows, "stopped": stopped})
             if args.out:  # (after every server: a later one failing keeps what was measured)
                 args.out.write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
@@ -385,7 +423,8 @@ def main() -> int:
                   f"{r['output_tok_per_s']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
                   f"{r['engine_ttft_p50_ms']:.0f} | {r['ttft_outside_engine_p50_ms']:.1f} | "
                   f"{r['prefix_hit_rate']:.2f} | {r['triton_queue_mean_ms']:.1f} | {r['client_cpu_share']:.2f} |")
-    if any(run["stopped"]["stub_fatal_errors"] or run["stopped"]["killed"] for run in runs):
+    if any(stop["stub_fatal_errors"] or stop["killed"] for run in runs
+           for stop in (run["stopped"] if isinstance(run["stopped"], list) else [run["stopped"]])):
         raise SystemExit(f"a server did not stop cleanly ({[run['stopped'] for run in runs]})")
     return 0
 

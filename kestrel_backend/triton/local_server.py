@@ -60,7 +60,9 @@ def server_command(http: int, grpc: int, metrics: int, repository: Path = REPOSI
     env["PATH"] = ":".join([str(Path(sys.executable).parent), env.get("PATH", "")]).rstrip(":")
     cmd = [str(src / "bin" / "tritonserver"), f"--model-repository={repository}",
            f"--backend-directory={backend_dir(work / 'backends')}", f"--http-port={http}", f"--grpc-port={grpc}",
-           f"--metrics-port={metrics}", "--allow-metrics=true", "--log-verbose=0"]
+           f"--metrics-port={metrics}", "--allow-metrics=true", "--log-verbose=0",
+           # servers of one machine share /dev/shm: each its own Python-backend regions
+           f"--backend-config=python,shm-region-prefix-name=kestrel_{grpc}_"]
     return cmd, env
 
 
