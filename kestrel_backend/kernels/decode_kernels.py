@@ -398,9 +398,34 @@ def banned_greedy(logits: torch.Tensor, banned: torch.Tensor, out: torch.Tensor,
     return out
 
 
+def shape_problems(dim: int, ff_dim: int, head_dim: int, rope_dim: int, vocab_size: int) -> list[str]:
+    """What a text model's widths ask that these kernels cannot do ([] if nothing): attention works on whole
+    heads, so a head and its rotary and unrotated parts are each a power of two wide; the tile kernels cover a
+    weight's rows in tiles of 32 and its columns in chunks of 16 (the widths of any size are chunked)."""
+    def power_of_two(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+
+    problems = [f"{name} {value} is not a power of two" for name, value in
+                (("head dimension", head_dim), ("rotary dimension", rope_dim),
+                 ("unrotated head dimension", head_dim - rope_dim)) if not power_of_two(value)]
+    problems += [f"{name} {value} is not a multiple of 32" for name, value in
+                 (("text dimension", dim), ("feed-forward dimension", ff_dim), ("vocabulary size", vocab_size))
+                 if value % 32]
+    return problems
+
+
+def _power_of_two_chunk(n: int, most: int) -> int:
+    """The largest power of two that divides n and is at most `most`: a chunk tl.arange can take (powers of two
+    only) that tiles a width of any size (192, 1152) exactly."""
+    chunk = n & -n
+    while chunk > most:
+        chunk //= 2
+    return chunk
+
+
 def _stats_chunk(k: int, block_m: int) -> int:
     """Row chunk for the norm's statistics: bounded registers."""
-    return min(k, max(16, 4096 // block_m))
+    return _power_of_two_chunk(k, max(16, 4096 // block_m))
 
 
 def linear2_residual(a, w1, c, w2, residual, bias, tiles=None, out=None):
@@ -741,7 +766,7 @@ def embed_rows(tokens, table, given, previous=None):
     FED_BACK (the token the step before chose, still on the GPU), or given[b] where tokens[b] is -1.
     tokens and previous [B] int32, table [V, D] and given [B, D] contiguous -> [B, D]."""
     (b,), d = tokens.shape, table.shape[1]
-    block = min(d, 1024)
+    block = _power_of_two_chunk(d, 1024)
     assert table.is_contiguous() and given.is_contiguous() and given.shape == (b, d) and d % block == 0
     out = torch.empty(b, d, device=table.device, dtype=table.dtype)
     _embed_rows_kernel[(b, d // block)](tokens, tokens if previous is None else previous, table, given, out, D=d,

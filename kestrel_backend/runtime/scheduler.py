@@ -26,6 +26,7 @@ from ..errors import EngineError, RequestCancelled
 from ..model.layers import to_device
 from ..model.lora import LoraRows
 from ..model.moondream import Moondream
+from ..model.weights import CheckpointError
 from ..skills.chat import chat_message
 from ..skills.generation import ReasoningThenAnswer, RegionGeneration, SegmentGeneration
 from ..skills.sampling import launch_choice
@@ -119,11 +120,24 @@ def make_crop_staging(model: Moondream):
     return CropStaging(model)
 
 
+def check_kernel_shapes(cfg) -> None:
+    """Refuse at load, with the widths named, a text model the GPU kernels cannot run (rather than failing inside
+    Triton's compiler at the first step)."""
+    from ..kernels.decode_kernels import shape_problems
+
+    problems = shape_problems(cfg.dim, cfg.ff_dim, cfg.head_dim, cfg.rope_dim, cfg.vocab_size)
+    if problems:
+        raise CheckpointError(f"the GPU engine's kernels cannot serve this text model: {'; '.join(problems)} "
+                              "(the CPU engine can: KESTREL_DEVICE=cpu)")
+
+
 def make_decoder(model: Moondream, cache: PagedKVCache, max_batch: int, max_context: int, adapters=None):
     """CUDA graphs of the fused Triton decode kernels on a GPU; None (torch attention) elsewhere."""
     if model.device.type != "cuda":
         return None
     from .cuda_decode import CudaGraphDecoder
+
+    check_kernel_shapes(model.config.text)
 
     return CudaGraphDecoder(model, cache, max_batch, max_context, adapters)
 
