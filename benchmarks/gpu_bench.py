@@ -305,7 +305,7 @@ def engine_golden_check(fixture_name: str = "md2-tiny", max_batch_size: int = 32
     fixture = ROOT / "tests" / "fixtures" / fixture_name
     adapters = fixture / "adapters"
     all_cases = json.loads((fixture / "cases.json").read_text())["cases"]
-    cases = [c for c in all_cases if c["kind"] in ("query", "caption", "point", "detect", "segment")]
+    cases = [c for c in all_cases if c["kind"] in ("query", "caption", "point", "detect", "segment", "chat")]
     refiner = fixture / "seg_refiner"
     engine = InferenceEngine.create(RuntimeConfig(model_path=str(fixture), device="cuda", dtype="float32",
                                                   max_batch_size=max_batch_size, mixed_steps=mixed_steps,

@@ -36,16 +36,22 @@ def _bool_input(name: str, value: bool) -> grpcclient.InferInput:
     return t
 
 
-def build_inputs(skill: str, image: bytes | None = None, question: str | None = None, object: str | None = None,
-                 length: str | None = None, stream: bool = False, reasoning: bool | None = None,
-                 settings: dict | None = None, spatial_refs=None, messages: list | None = None
-                 ) -> list[grpcclient.InferInput]:
+def build_inputs(skill: str, image: bytes | list[bytes] | None = None, question: str | None = None,
+                 object: str | None = None, length: str | None = None, stream: bool = False,
+                 reasoning: bool | None = None, settings: dict | None = None, spatial_refs=None,
+                 messages: list | None = None) -> list[grpcclient.InferInput]:
     """spatial_refs (query): points (x, y) or boxes (x_min, y_min, x_max, y_max) in [0, 1], all of one kind.
-    messages (chat): OpenAI-style messages; an image part may be {"type": "image", "index": 0}, the image sent as
-    IMAGE. reasoning: None leaves the skill's default (off for query, on for chat where the model has it)."""
+    messages (chat): OpenAI-style messages; an image part may be {"type": "image", "index": i}, the i-th image sent
+    as IMAGE (chat: image may be a list, one IMAGE element each). reasoning: None leaves the skill's default (off for
+    query, on for chat where the model has it)."""
     inputs = [_bytes_input("SKILL", skill.encode())]
     if messages is not None:
         inputs.append(_bytes_input("MESSAGES", json.dumps(messages).encode()))
+    if isinstance(image, list):
+        t = grpcclient.InferInput("IMAGE", [len(image)], "BYTES")
+        t.set_data_from_numpy(np.array(image, dtype=np.object_))
+        inputs.append(t)
+        image = None
     for name, value in (("IMAGE", image), ("QUESTION", question), ("OBJECT", object), ("LENGTH", length)):
         if value is not None:
             inputs.append(_bytes_input(name, value if isinstance(value, bytes) else value.encode()))
@@ -132,10 +138,10 @@ class MoondreamClient:
         return self._one("query", image=image, question=question, reasoning=reasoning, settings=settings,
                          spatial_refs=spatial_refs)
 
-    def chat(self, messages: list, image: bytes | None = None, reasoning: bool | None = None,
+    def chat(self, messages: list, image: bytes | list[bytes] | None = None, reasoning: bool | None = None,
              settings: dict | None = None) -> dict:
         """{"message": {"role": "assistant", "content", ...}, "finish_reason", "metrics"}. image: the bytes that a
-        {"type": "image", "index": 0} part of the first user message refers to."""
+        {"type": "image", "index": 0} part refers to, or a list of them (index i: the i-th)."""
         return self._one("chat", image=image, messages=messages, reasoning=reasoning, settings=settings)
 
     def caption(self, image: bytes, length: str = "normal", settings: dict | None = None) -> dict:

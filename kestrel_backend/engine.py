@@ -26,8 +26,8 @@ from .runtime.image_cache import ImageCache, image_key
 from .runtime.kv_cache import PagedKVCache
 from .runtime.scheduler import Scheduler, make_crop_encoder, make_decoder, make_prefill_graphs
 from .runtime.segment_refiner import SegmentRefiner
-from .runtime.sequence import Delivery, EngineResult, Sequence, StreamChunk
-from .skills.chat import ChatMessage, chat_prompt, supports_reasoning
+from .runtime.sequence import Delivery, EngineResult, LaterImage, Sequence, StreamChunk
+from .skills.chat import ChatMessage, chat_prompt, first_image, supports_reasoning
 from .skills.generation import Generation, ReasoningThenAnswer, RegionGeneration, SegmentGeneration, TextGeneration
 from .skills.prompts import caption_prompt, query_prompt, region_prompt, spatial_refs_start
 from .skills.settings import Settings
@@ -244,10 +244,10 @@ class InferenceEngine:
         tok = self.model.config.tokenizer
         if reasoning is None:
             reasoning = supports_reasoning(tok)
-        image = next((m.images[0] for m in messages if m.images), None)
-        ids = chat_prompt(tok, messages, lambda text: self.model.tokenizer.encode(text).ids, image is not None,
-                          reasoning)
-        return await self._submit("chat", image, ids, self._settings(settings), stream, reasoning=reasoning)
+        ids, later = chat_prompt(tok, messages, lambda text: self.model.tokenizer.encode(text).ids, reasoning,
+                                 self.model.config.text.prefix_attn - 1)
+        return await self._submit("chat", first_image(messages), ids, self._settings(settings), stream,
+                                  reasoning=reasoning, later_images=later)
 
     async def submit_tokens(self, skill: str, image: bytes | None, ids: list[int], settings: dict | None = None,
                             stream: bool = False, reasoning: bool = False, spatial_refs=None):
@@ -309,10 +309,12 @@ class InferenceEngine:
             return ReasoningThenAnswer(tok, settings, self.model)
         return TextGeneration(tok, settings)
 
-    async def _submit(self, skill, image, ids, settings, stream, reasoning=False, spatial_refs=(), object_text=""):
+    async def _submit(self, skill, image, ids, settings, stream, reasoning=False, spatial_refs=(), object_text="",
+                      later_images=()):
         arrived = REQUEST_ARRIVAL.get() or time.perf_counter()  # TTFT counts from here (image decode, admission waits)
         delivery = Delivery(asyncio.get_running_loop(), stream)
-        admit = self._admit(skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived, object_text)
+        admit = self._admit(skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived, object_text,
+                            later_images)
         try:
             if delivery.loop is self.loop:  # a caller on the engine loop (the Triton adapter): no hop between loops
                 await admit
@@ -326,8 +328,9 @@ class InferenceEngine:
             raise
 
     async def _admit(self, skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived: float,
-                     object_text: str = "") -> None:
-        """Runs on the engine loop: bounded queue, image decode (off-thread), adapter, context check."""
+                     object_text: str = "", later_images=()) -> None:
+        """Runs on the engine loop: bounded queue, image decode (off-thread), adapter, context check. later_images:
+        a conversation's other images, (bytes, index of their rows in ids)."""
         if self.draining:
             raise EngineDraining("server draining: it is stopping and takes no new request; retry on another replica")
         if self._queue_depth >= self.config.max_queue:
@@ -346,6 +349,12 @@ class InferenceEngine:
                                                                       bytes(image), held is None)
                 elif held is None:
                     cropped = await self._decode_once(key, bytes(image))
+            later = []
+            for data, index in later_images:
+                later_key = image_key(bytes(data))
+                later_held = self.images.get(later_key)
+                later.append(LaterImage(later_key, index, held_embedding=later_held, cropped=None if later_held
+                                        is not None else await self._decode_once(later_key, bytes(data))))
             tok = self.model.config.tokenizer
             overrides = None
             if skill == "query":
@@ -357,7 +366,7 @@ class InferenceEngine:
             prompt_len = prefix + len(ids)
             if prompt_len >= self.max_context:
                 if skill == "chat":
-                    raise InvalidRequest(f"MESSAGES: the conversation needs {prompt_len} positions with its image, "
+                    raise InvalidRequest(f"MESSAGES: the conversation needs {prompt_len} positions with its images, "
                                          f"more than the model's context of {self.max_context}; send fewer or "
                                          "shorter turns")
                 field = {"query": "QUESTION", "caption": "prompt"}.get(skill, "OBJECT")
@@ -372,7 +381,7 @@ class InferenceEngine:
             detok = IncrementalDetokenizer(self.model.tokenizer) if stream_text(skill, delivery.stream) else None
             seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, cropped=cropped,
                            held_embedding=held, capacity=capacity, detok=detok, adapter=adapter,
-                           prompt_overrides=overrides, t_submit=arrived, pixels=pixels)
+                           prompt_overrides=overrides, t_submit=arrived, pixels=pixels, later_images=later)
             self.scheduler.add(seq)
         except BaseException:
             if adapter is not None:

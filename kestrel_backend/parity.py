@@ -122,12 +122,18 @@ class Checker:
         """A conversation rendered as Kestrel renders it (its prompt ids must be the ones the reference prefilled),
         then greedy decoding on the single-request path. No logits are recorded for these cases."""
         tok = self.model.config.tokenizer
-        messages = parse_messages(case["messages"], [b"(the case's image)"] if case["image"] else [])
-        ids = chat_prompt(tok, messages, lambda t: self.model.tokenizer.encode(t).ids, case["image"] is not None,
-                          case["reasoning"])
+        images = chat_images(case)  # (each image part's bytes here is its file's name: embedded by name below)
+        messages = parse_messages(case["messages"], [name.encode() for name in images])
+        ids, later = chat_prompt(tok, messages, lambda t: self.model.tokenizer.encode(t).ids, case["reasoning"],
+                                 self.model.config.text.prefix_attn - 1)
+        prompt = self._prompt(case, ids)
+        if later:  # the conversation's other images: their rows in place of the placeholders, a block each
+            rows = {index: self.embedding(name.decode()) for name, index in later}
+            prompt = Prompt(ids, prompt.image_embedding, rows,
+                            tuple((index, index + len(emb)) for index, emb in rows.items()))
         settings = Settings(temperature=0.0, max_tokens=case["max_tokens"])
         gen = ReasoningThenAnswer(tok, settings, self.model) if case["reasoning"] else TextGeneration(tok, settings)
-        run_single(self.model, self._prompt(case, ids), gen)
+        run_single(self.model, prompt, gen)
         same = gen.tokens == case["tokens"] and \
             (not case["reasoning"] or gen.reasoning_tokens == case["reasoning_tokens"])
         return same, f"prompt ids equal, tokens {'equal' if same else 'DIFFER'}"
@@ -252,6 +258,11 @@ def split_stream(stream: list) -> tuple[list[int], list[float], list[tuple[float
             [tuple(v[1:]) for v in marked if v[0] == "s"])
 
 
+def chat_images(case: dict) -> list[str]:
+    """A chat case's images, in the order its messages' image parts index them: `images`, or its one `image`."""
+    return case.get("images") or ([case["image"]] if case["image"] else [])
+
+
 def submit_case(engine, folder: Path, case: dict):
     """A golden text or region case through an InferenceEngine (its adapter, adapters/<id>/final.pt, by id: the
     engine's KESTREL_ADAPTER_DIR must be the folder's adapters/): -> the coroutine of its EngineResult."""
@@ -265,9 +276,8 @@ def submit_case(engine, folder: Path, case: dict):
     if kind == "caption":
         return engine.submit_tokens("caption", image, case["prompt_ids"], text)
     if kind == "chat":
-        from .skills.chat import parse_messages
-
-        return engine.chat(parse_messages(case["messages"], [image] if image else []), case["reasoning"], False, text)
+        attached = [(folder / name).read_bytes() for name in chat_images(case)]
+        return engine.chat(parse_messages(case["messages"], attached), case["reasoning"], False, text)
     if kind == "segment":
         return engine.submit_tokens("segment", image, case["object_ids"], {"max_tokens": case["max_tokens"]})
     return engine.submit_tokens(kind, image, case["object_ids"], {"max_objects": case["max_objects"], **adapter})

@@ -8,9 +8,9 @@ import pytest
 from kestrel_backend.config import RuntimeConfig
 from kestrel_backend.engine import InferenceEngine, InvalidRequest
 from kestrel_backend.images import decode_image
-from kestrel_backend.skills.chat import ChatMessage, chat_prompt, parse_messages
+from kestrel_backend.skills.chat import ChatMessage, chat_prompt, first_image, parse_messages
 from kestrel_backend.skills.generation import Prompt, ReasoningThenAnswer, TextGeneration
-from kestrel_backend.skills.prompts import query_prompt
+from kestrel_backend.skills.prompts import query_prompt, query_tail
 from kestrel_backend.skills.settings import Settings
 from kestrel_backend.skills.single import run_single
 from kestrel_backend.triton.protocol import parse_request
@@ -43,8 +43,8 @@ def test_one_user_turn_is_exactly_a_query(engine, jpeg):
     tok, encode = engine.model.config.tokenizer, lambda t: engine.model.tokenizer.encode(t).ids
     for reasoning in (False, True):
         messages = [ChatMessage("user", "What is this?", (jpeg,))]
-        assert chat_prompt(tok, messages, encode, True, reasoning) == query_prompt(tok, encode("What is this?"), True,
-                                                                                     reasoning)
+        assert chat_prompt(tok, messages, encode, reasoning, 729) == (
+            query_prompt(tok, encode("What is this?"), True, reasoning), [])
     settings = {"temperature": 0, "max_tokens": 12}
 
     async def both():
@@ -66,34 +66,60 @@ def test_history_layout(engine):
     messages = parse_messages(conversation(None), [])
     expected = [tok.bos_id] + q["prefix"] + encode("Be brief.\n\nDescribe it.") + q["suffix"] * 2 + \
         encode("A small picture.") + q["prefix"] + encode("What colour is it?") + q["suffix"] + [tok.thinking_id]
-    assert chat_prompt(tok, messages, encode, False, True) == expected
+    assert chat_prompt(tok, messages, encode, True, 729) == (expected, [])
 
 
-def test_conversations_batched_equal_each_alone_on_the_single_request_path(engine, jpeg):
-    """Chat requests with and without an image, reasoning on (the default) and off, share batches with queries and
-    get what each gets alone on the dense single-request path; no page is left held."""
+def test_images_after_the_first_take_placeholder_rows_at_the_start_of_their_turn(engine, jpeg):
+    """The first user turn's first image is the query's (after BOS, outside the ids); every other image of a user
+    turn is a block of image_rows placeholders at the start of its turn, in order."""
+    tok, encode = engine.model.config.tokenizer, lambda t: engine.model.tokenizer.encode(t).ids
+    q, a, b = tok.templates["query"], b"image a", b"image b"
+    raw = [{"role": "user", "content": [{"type": "image", "index": 0}, {"type": "image", "index": 1},
+                                        {"type": "text", "text": "Compare."}]},
+           {"role": "assistant", "content": "Alike."},
+           {"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": "And now?"}]}]
+    answer = query_tail(tok, False)  # (the answer marker)
+    ids, later = chat_prompt(tok, parse_messages(raw, [a, b]), encode, False, 5)
+    turn1 = q["prefix"] + encode("Compare.") + answer + encode("Alike.")
+    assert later == [(b, 0), (a, 5 + len(turn1))]
+    assert ids == [0] * 5 + turn1 + [0] * 5 + q["prefix"] + encode("And now?") + answer
+    text_first = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, raw[2]]
+    ids, later = chat_prompt(tok, parse_messages(text_first, [a]), encode, False, 5)
+    assert ids[0] == tok.bos_id and later == [(a, 1 + len(q["prefix"] + encode("Hi") + answer + encode("Hello.")))]
+
+
+def test_conversations_batched_equal_each_alone_on_the_single_request_path(engine, jpeg, tiny_dir):
+    """Chat requests without an image, with one, with one only in turn 2, with two in turn 1, reasoning on (the default) and off, share batches with queries and get what each gets alone on the dense
+    single-request path (its own mask of each image block); no page is left held."""
     model, tok = engine.model, engine.model.config.tokenizer
     encode = lambda t: model.tokenizer.encode(t).ids  # noqa: E731
     settings = {"temperature": 0, "max_tokens": 10}
+    image_in_turn_2 = conversation(None)
+    image_in_turn_2[3] = {"role": "user", "content": [{"type": "image", "index": 1}, {"type": "text", "text": "Now?"}]}
+    two_in_turn_1 = conversation(jpeg)
+    two_in_turn_1[1]["content"].insert(1, {"type": "image", "index": 1})
     cases = [(conversation(jpeg), None), (conversation(None), False), (conversation(jpeg), False),
-             ([{"role": "user", "content": "Hello"}], None)]
+             ([{"role": "user", "content": "Hello"}], None), (image_in_turn_2, False), (two_in_turn_1, None)]
+    other = (tiny_dir / "images" / "medium.png").read_bytes()
 
     def alone(raw, reasoning):
-        messages = parse_messages(raw, [jpeg])
+        messages = parse_messages(raw, [jpeg, other])
         reasoning = True if reasoning is None else reasoning
-        has_image = any(m.images for m in messages)
-        ids = chat_prompt(tok, messages, encode, has_image, reasoning)
-        embedding = model.encode_image(decode_image(jpeg)) if has_image else None
+        first = first_image(messages)
+        ids, later = chat_prompt(tok, messages, encode, reasoning, model.config.text.prefix_attn - 1)
+        embedding = model.encode_image(decode_image(first)) if first else None
+        rows = {index: model.encode_image(decode_image(image)) for image, index in later}
+        blocks = tuple((index, index + len(emb)) for index, emb in rows.items())
         s = Settings.from_dict(settings, max_tokens_limit=2048, max_objects_limit=50)
         gen = ReasoningThenAnswer(tok, s, model) if reasoning else TextGeneration(tok, s)
-        run_single(model, Prompt(ids, embedding), gen)
+        run_single(model, Prompt(ids, embedding, rows, blocks), gen)
         return model.tokenizer.decode(gen.tokens)
 
     expected = [alone(raw, r) for raw, r in cases]
 
     async def together():
-        return await asyncio.gather(*[engine.chat(parse_messages(raw, [jpeg]), r, False, settings) for raw, r in cases],
-                                    engine.query(jpeg, "What is this?", False, False, settings))
+        return await asyncio.gather(*[engine.chat(parse_messages(raw, [jpeg, other]), r, False, settings)
+                                      for raw, r in cases], engine.query(jpeg, "What is this?", False, False, settings))
     results = asyncio.run(together())
     for (raw, reasoning), want, got in zip(cases, expected, results):
         assert got.output["message"]["content"] == want
@@ -125,8 +151,6 @@ def test_a_second_turn_on_the_same_image_reads_its_prefix_from_the_cache(engine,
      "not valid base64"),
     ('[{"role": "assistant", "content": [{"type": "image", "index": 0}]}, {"role": "user", "content": "hi"}]',
      "user messages only"),
-    ('[{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "image", "index": 0}]}]',
-     "one image a conversation, in its first user message"),
     ("[" * 100000, "MESSAGES is"),
 ])
 def test_bad_messages_are_refused_naming_the_problem(raw, message):
@@ -136,8 +160,11 @@ def test_bad_messages_are_refused_naming_the_problem(raw, message):
         parse_request(lambda name: np.array([inputs[name]], dtype=np.object_) if name in inputs else None)
 
 
-def test_a_conversation_longer_than_the_context_is_refused_naming_the_positions(engine):
+def test_a_conversation_longer_than_the_context_is_refused_naming_the_positions(engine, jpeg):
     long = [{"role": "user", "content": "word " * 3000}]
-    with pytest.raises(InvalidRequest, match=r"needs \d+ positions"):
-        asyncio.run(engine.chat(parse_messages(long, []), False, False, {"max_tokens": 4}))
+    three_images = [{"role": "user", "content": [{"type": "image", "index": 0}] * 2 + [{"type": "text", "text": "?"}]},
+                    {"role": "assistant", "content": "Two."}, {"role": "user", "content": [{"type": "image", "index": 0}]}]
+    for raw in (long, three_images):  # (Moondream 2's 2,048 positions hold two images and some text)
+        with pytest.raises(InvalidRequest, match=r"needs \d+ positions with its images, more than the model's context"):
+            asyncio.run(engine.chat(parse_messages(raw, [jpeg]), False, False, {"max_tokens": 4}))
     assert engine.no_request_holds_pages()

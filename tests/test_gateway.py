@@ -109,6 +109,29 @@ def test_official_chat_and_the_openai_sdk_equal_grpc_chat(gateway, image, png, g
     assert events[-2].choices[0].finish_reason == expected["finish_reason"] and events[-1].usage.total_tokens > 0
 
 
+def test_a_conversation_of_two_images_through_both_sdks_equals_grpc_chat(gateway, image, png, tiny_dir, grpc):
+    """An image in each of two user turns: two image_url parts through the official client and the OpenAI SDK, two
+    IMAGE elements over gRPC."""
+    other = (tiny_dir / "images" / "medium.png").read_bytes()
+    other_url = "data:image/png;base64," + base64.b64encode(other).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image.image_url}},
+                                             {"type": "text", "text": "What is it?"}]},
+                {"role": "assistant", "content": "A picture."},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": other_url}},
+                                             {"type": "text", "text": "And this?"}]}]
+    over_grpc = [{**m, "content": [{"type": "image", "index": i // 2}, m["content"][1]]} if m["role"] == "user" else m
+                 for i, m in enumerate(messages)]
+    expected = grpc.chat(over_grpc, [png, other], reasoning=False, settings=GREEDY)
+    assert expected["metrics"]["input_tokens"] > 1459  # (both images' rows: 730 and 729)
+    md = moondream.vl(api_key=GATEWAY_KEY, endpoint=gateway.url + "/v1", model="moondream2")
+    assert md.chat(messages, reasoning=False, settings=GREEDY)["message"] == expected["message"]
+    sdk = openai.OpenAI(base_url=gateway.url + "/v1", api_key=GATEWAY_KEY)
+    done = sdk.chat.completions.create(model="moondream2", messages=messages, temperature=0, max_tokens=10,
+                                       extra_body={"reasoning": False})
+    assert done.choices[0].message.content == expected["message"]["content"]
+    assert done.usage.prompt_tokens == expected["metrics"]["input_tokens"]
+
+
 def test_an_adapter_is_chosen_by_the_model_name(gateway, png, grpc):
     body = {"image_url": "data:image/png;base64," + base64.b64encode(png).decode(), "question": "What?",
             "settings": GREEDY, "model": "moondream2/r4"}

@@ -212,9 +212,12 @@ def _bad_requests(image):
                                          r"SETTINGS is nested too deeply$"),
         "chat without MESSAGES": ([skill("chat")], r"MESSAGES is required"),
         "MESSAGES for query": ([skill("query"), b("QUESTION", b"hi"), b("MESSAGES", b"[]")], r"only taken by the chat"),
-        "chat image in a later turn": ([skill("chat"), b("IMAGE", image), b("MESSAGES", json.dumps([
-            {"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "image", "index": 0}]}]).encode())],
-            r"one image a conversation"),
+        "two IMAGE elements for query": ([skill("query"), b("QUESTION", b"hi"),
+                                          _tensor("IMAGE", np.array([image, image], dtype=np.object_), "BYTES")],
+                                         r"IMAGE holds 2 images; only the chat skill takes more than one"),
+        "chat naming a third image of two": ([skill("chat"), _tensor("IMAGE", np.array([image, image], np.object_),
+                                                                     "BYTES"), b("MESSAGES", json.dumps([
+            {"role": "user", "content": [{"type": "image", "index": 2}]}]).encode())], r"one of the 2 images"),
     }
 
 

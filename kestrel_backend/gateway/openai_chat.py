@@ -25,12 +25,10 @@ async def parse(body: dict, limits: Limits, served: list[str]) -> tuple[Call, st
         raise ApiError(400, "messages must be a non-empty list")
     images: list[bytes] = []
     messages = [await _message(i, m, images, limits) for i, m in enumerate(messages)]
-    if len(images) > 1:
-        raise ApiError(400, "this server takes one image a conversation, in its first user message")
     if body.get("n", 1) != 1:
         raise ApiError(400, "n: one choice a request is served")
     stream = bool(flag(body, "stream"))
-    inputs = build_inputs("chat", image=images[0] if images else None, messages=messages, stream=stream,
+    inputs = build_inputs("chat", image=images or None, messages=messages, stream=stream,
                           reasoning=_reasoning(body.get("reasoning")), settings=settings)
     return Call("chat", inputs, routing_key(images[0] if images else None, settings), stream), model
 

@@ -62,10 +62,14 @@ class Moondream:
         return text.embed_tokens(to_device(ids, torch.long, self.device), self.weights.text)
 
     def embed_prompt(self, ids, overrides: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """Token embeddings, with the rows that overrides names (a prompt index -> embedding) replaced."""
+        """Token embeddings, with the rows that overrides names replaced: a prompt index -> an embedding, or the
+        first of several rows ([n, dim]: an image's)."""
         x = self.embed_tokens(ids)
         for index, embedding in (overrides or {}).items():
-            x[index] = embedding
+            if embedding.dim() == 2:
+                x[index:index + embedding.shape[0]] = embedding
+            else:
+                x[index] = embedding
         return x
 
     def spatial_ref_overrides(self, refs, first_index: int) -> dict[int, torch.Tensor]:

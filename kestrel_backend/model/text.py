@@ -174,11 +174,14 @@ def lm_head_rows(hidden: torch.Tensor, w: TextWeights, ids: torch.Tensor) -> tor
     return F.linear(layer_norm(hidden, w.post_ln), w.lm_head.weight[ids], w.lm_head.bias[ids])
 
 
-def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """True where a query may see a key: causal, except the image prefix sees itself bidirectionally."""
-    causal = k_pos[None, :] <= q_pos[:, None]
-    prefix = (q_pos[:, None] < prefix_len) & (k_pos[None, :] < prefix_len)
-    return causal | prefix
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, prefix_len: int,
+                   blocks: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    """True where a query may see a key: causal, except the image prefix [0, prefix_len) and each block
+    [start, end) of a later image see themselves bidirectionally."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    for start, end in ((0, prefix_len), *blocks):
+        mask |= ((q_pos >= start) & (q_pos < end))[:, None] & ((k_pos >= start) & (k_pos < end))[None, :]
+    return mask
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -197,11 +200,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 class DenseCache:
     """Contiguous K/V for one sequence: the simple reference path (parity, CLI, tests)."""
 
-    def __init__(self, config: TextConfig, device, dtype, prefix_len: int):
+    def __init__(self, config: TextConfig, device, dtype, prefix_len: int, blocks: tuple[tuple[int, int], ...] = ()):
         shape = (config.n_layers, config.max_context, config.n_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.prefix_len = prefix_len
+        self.prefix_len, self.blocks = prefix_len, blocks
         self.positions: torch.Tensor | None = None
         self.length = 0
 
@@ -215,4 +218,4 @@ class DenseCache:
         end = int(pos[-1]) + 1
         keys = torch.arange(end, device=q.device)
         return attend(q, self.k[layer, :end], self.v[layer, :end],
-                                attention_mask(pos, keys, self.prefix_len))
+                                attention_mask(pos, keys, self.prefix_len, self.blocks))

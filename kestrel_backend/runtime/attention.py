@@ -24,6 +24,7 @@ class SeqSlice:
     first_pos: int  # position of row `start` (host int: planning needs no device sync)
     prefix_len: int  # bidirectional image prefix (0 for text-only)
     positions: torch.Tensor  # first_pos .. first_pos + (end - start) - 1, on the device
+    blocks: tuple[tuple[int, int], ...] = ()  # later image blocks [start, end): each sees itself bidirectionally
 
 
 class TorchPagedAttention:
@@ -40,13 +41,18 @@ class TorchPagedAttention:
         A fresh sequence (its whole context in this step) attends to the step's own k/v: its image
         prefix attends to itself without a mask, batched with every other fresh prefix of that length
         (one fused-kernel call), and only its text tail needs a mask. Text-only fresh sequences are
-        plainly causal. Continuing sequences read their pages back with the general mask."""
+        plainly causal. Continuing sequences, and those with later image blocks, read their pages back with the
+        general mask."""
         self._plan_writes(batch)
         dev = batch[0].positions.device
         self._read, prefix_rows = [], {}
         for s in batch:
             n = s.end - s.start
-            if s.first_pos == 0 and s.prefix_len:
+            if s.blocks:
+                keys = torch.arange(s.first_pos + n, device=dev)
+                key_rows = to_device(self.cache.rows([(s.seq_id, 0, s.first_pos + n)]), torch.long, dev)
+                self._read.append((key_rows, attention_mask(s.positions, keys, s.prefix_len, s.blocks)))
+            elif s.first_pos == 0 and s.prefix_len:
                 prefix_rows.setdefault(s.prefix_len, []).append(torch.arange(s.start, s.start + s.prefix_len))
                 tail = torch.arange(s.prefix_len, n, device=dev)
                 self._read.append((None, torch.arange(n, device=dev)[None, :] <= tail[:, None]))

@@ -170,6 +170,10 @@ class Scheduler:
         self.crop_cost = model.config.crop_cost_in_tokens
         self._spent = 0  # of the budget, by this step's admissions
         self.attention = make_attention(cache)
+        # a step with a conversation's later image blocks: the torch path's general mask (the GPU kernel's mask
+        # knows only the image prefix)
+        self.block_attention = self.attention if isinstance(self.attention, TorchPagedAttention) else \
+            TorchPagedAttention(cache)
         self.decoder = decoder
         self.prefill_graphs = prefill_graphs  # graphs for prefill steps (make_prefill_graphs), or None
         self.crop_encoder = crop_encoder  # graphs of the vision encoder, or None (eager)
@@ -423,21 +427,38 @@ class Scheduler:
         self._spent = self.max_step_tokens - room if self.max_step_tokens else 0
 
     def _attach_images(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Image prefixes for newly admitted sequences: cached embeddings, else one batched encode."""
+        """Image prefixes (and a conversation's later image blocks) for newly admitted sequences: cached embeddings,
+        else one batched encode."""
         self._restore_held(seqs)
         pending: dict[str, list[Sequence]] = {}
         for seq in seqs:
             if seq.image_key is not None and seq.held_embedding is None and seq.image_key not in self.images:
                 pending.setdefault(seq.image_key, []).append(seq)
+            for later in seq.later_images:
+                if later.held_embedding is None and later.key not in self.images:
+                    pending.setdefault(later.key, []).append(seq)
         if pending and not self._encode(pending):
-            seqs = [seq for seq in seqs if seq.image_key not in pending]
+            seqs = [seq for seq in seqs if seq.image_key not in pending
+                    and not any(later.key in pending for later in seq.later_images)]
         for seq in seqs:
             if seq.image_key is not None:
                 emb = self._embedding(seq)
                 seq.cropped = seq.held_embedding = None
                 seq.prefix_len = emb.shape[0] + 1
                 seq.next_input = self.model.image_prefix(emb)
+            if seq.later_images:
+                self._place_later_images(seq)
         return seqs
+
+    def _place_later_images(self, seq: Sequence) -> None:
+        """A conversation's later images' rows into its prompt, each a block of its own for the attention."""
+        overrides, blocks = dict(seq.prompt_overrides or {}), []
+        for later in seq.later_images:
+            emb = later.held_embedding if later.held_embedding is not None else self.images.get(later.key)
+            overrides[later.index] = emb
+            start = seq.prefix_len + later.index
+            blocks.append((start, start + emb.shape[0]))
+        seq.prompt_overrides, seq.blocks, seq.later_images = overrides, tuple(blocks), []
 
     def _embedding(self, seq: Sequence) -> torch.Tensor | None:
         """seq's image embedding: the one it holds (found cached on arrival), else the image cache's, if there."""
@@ -506,7 +527,8 @@ class Scheduler:
     def _crops(self, key: str, group: list[Sequence]):
         """(crops, tiling) of an image to encode, from the sequences that need it (those that arrived while it
         was cached carry none): its crops staged on the GPU if they are."""
-        cropped = next(seq.cropped for seq in group if seq.cropped is not None)
+        cropped = next(c for seq in group for c in [seq.cropped if seq.image_key == key else None] +
+                       [later.cropped for later in seq.later_images if later.key == key] if c is not None)
         staged = self.crop_staging.take(key) if self.crop_staging is not None else None
         return cropped if staged is None else (staged, cropped[1])
 
@@ -618,18 +640,21 @@ class Scheduler:
             pieces += list(self._inputs(decoding)[:, None, :])
         pieces += [a.inputs for a in ahead]
         seqs, prefill = list(prefilling) + list(decoding), bool(prefilling or ahead)
-        spans = [(s.id, s.length, s.prefix_len) for s in seqs] + [(a.id, 0, a.prefix_len) for a in ahead]
-        positions = to_device(np.concatenate([np.arange(first, first + len(x)) for (_, first, _), x in
+        spans = [(s.id, s.length, s.prefix_len, s.blocks) for s in seqs] + [(a.id, 0, a.prefix_len, ()) for a in ahead]
+        positions = to_device(np.concatenate([np.arange(first, first + len(x)) for (_, first, _, _), x in
                                               zip(spans, pieces)]), torch.long, m.device)  # (one copy a step)
         slices, start = [], 0
-        for (seq_id, first, prefix_len), x in zip(spans, pieces):
-            slices.append(SeqSlice(seq_id, start, start + len(x), first, prefix_len, positions[start:start + len(x)]))
+        for (seq_id, first, prefix_len, blocks), x in zip(spans, pieces):
+            blocks = tuple(b for b in blocks if b[1] > first)  # (those this step's rows still write)
+            slices.append(SeqSlice(seq_id, start, start + len(x), first, prefix_len, positions[start:start + len(x)],
+                                   blocks))
             start += len(x)
         for seq, x in zip(seqs, pieces):
             seq.length += len(x)
         x = torch.cat(pieces)
         lora = LoraRows.of([s.adapter for s in seqs] + [None] * len(ahead), [len(p) for p in pieces])
-        if prefill and lora is None and self.prefill_graphs is not None and \
+        blocks = any(s.blocks for s in slices)  # (later image blocks: the torch attention's general mask takes them)
+        if prefill and lora is None and self.prefill_graphs is not None and not blocks and \
                 self.prefill_graphs.fits([len(p) for p in pieces]):
             logits, hidden = self.prefill_graphs.run(x, slices)
             return logits[:len(seqs)], hidden[:len(seqs)]
@@ -637,8 +662,9 @@ class Scheduler:
         if pad:  # (padded rows: computed, neither stored nor attended to, dropped; no adapter's span covers them)
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
             positions = torch.cat([positions, positions.new_zeros(pad)])
-        self.attention.plan(slices)
-        hidden = m.forward(x, positions, self.attention, lora)
+        attention = self.block_attention if blocks else self.attention
+        attention.plan(slices)
+        hidden = m.forward(x, positions, attention, lora)
         last = hidden.index_select(0, to_device([s.end - 1 for s in slices[:len(seqs)]], torch.long, hidden.device))
         return m.logits(last), last
 

@@ -114,6 +114,17 @@ class Delivery:
 
 
 @dataclass(eq=False)
+class LaterImage:
+    """An image of a conversation other than the one after BOS (skills/chat.py): its rows replace the prompt's
+    placeholder ids from `index` on, a block that sees itself bidirectionally."""
+
+    key: str
+    index: int  # in the prompt ids
+    cropped: tuple[np.ndarray, tuple[int, int]] | None = None  # until encoded (None: it was cached on arrival)
+    held_embedding: torch.Tensor | None = None  # the image cache's, when it was cached on arrival
+
+
+@dataclass(eq=False)
 class Sequence:
     id: int
     skill: str
@@ -130,8 +141,10 @@ class Sequence:
     adapter: LoraAdapter | None = None  # pinned in the engine's AdapterRegistry until the sequence ends
     prompt_overrides: dict[int, torch.Tensor] | None = None  # prompt index -> embedding (spatial refs)
     pixels: np.ndarray | None = None  # segment's image, for its refiner
+    later_images: list[LaterImage] = field(default_factory=list)
     # filled by the scheduler
     prefix_len: int = 0
+    blocks: tuple[tuple[int, int], ...] = ()  # the later images' positions [start, end): bidirectional within each
     length: int = 0  # positions written so far
     cached_tokens: int = 0  # positions whose KV pages came from the prefix cache
     next_input: int | torch.Tensor | None = None

@@ -5,8 +5,10 @@ renders it: the turn's image, the query prefix, the user's text, then the answer
 from the history; the last user turn ends with the answer marker (or the reasoning marker). A leading system
 message is folded into the first user turn's text. One user turn with an image is therefore exactly a query.
 
-This engine places an image only where a query puts it (after BOS, bidirectional with it), so a conversation holds
-at most one image, in its first user message; turns after it attend to it causally, as in Kestrel.
+Every image of a user turn is an image block at the start of that turn, in order. The first one of the first user
+turn sits where a query puts its image (after BOS, bidirectional with it: it is cached as a query's image prefix);
+every other is a block of the image's rows that sees itself bidirectionally and what came before causally, as
+Kestrel's block mask has it. The prompt holds placeholder ids where those rows go (chat_prompt's `later`).
 """
 
 from __future__ import annotations
@@ -40,10 +42,6 @@ def parse_messages(raw, attached: list[bytes]) -> list[ChatMessage]:
     last = messages[-1]
     if last.role != "user" or not (last.text or last.images):
         raise InvalidRequest("MESSAGES: the last message must be the user's, with text or an image")
-    users = [m for m in messages if m.role == "user"]
-    if any(m.images for m in users[1:]) or len(users[0].images) > 1:
-        raise InvalidRequest("MESSAGES: this server takes one image a conversation, in its first user message "
-                             "(send the conversation's image with its first turn)")
     return messages
 
 
@@ -90,20 +88,32 @@ def supports_reasoning(tok: TokenizerConfig) -> bool:
     return "reasoning_prefix" in t or t.get("suffix") == [tok.answer_id]
 
 
+def first_image(messages: list[ChatMessage]) -> bytes | None:
+    """The image that takes a query's place after BOS: the first of the first user turn, if it has one."""
+    user = next(m for m in messages if m.role == "user")
+    return user.images[0] if user.images else None
+
+
 def chat_prompt(tok: TokenizerConfig, messages: list[ChatMessage], encode: Callable[[str], list[int]],
-                has_image: bool, reasoning: bool) -> list[int]:
-    """The conversation's prompt ids after the image (BOS first when there is none)."""
+                reasoning: bool, image_rows: int) -> tuple[list[int], list[tuple[bytes, int]]]:
+    """The conversation's prompt ids after first_image (BOS first when there is none), and its other images: (image,
+    index in the ids of the first of its image_rows placeholder ids)."""
     prefix, answer = template(tok, "query")["prefix"], query_tail(tok, False)
     system = messages[0].text if messages[0].role == "system" else ""
-    ids = [] if has_image else [tok.bos_id]
+    in_prefix = first_image(messages) is not None  # (the first user turn's first image: not a block here)
+    ids, later = ([] if in_prefix else [tok.bos_id]), []
     for m in messages[1:] if system else messages:
         if m.role == "user":
+            for image in m.images[1:] if in_prefix else m.images:
+                later.append((image, len(ids)))
+                ids += [0] * image_rows  # (the image's rows take these places)
+            in_prefix = False
             text = f"{system}\n\n{m.text}" if system and m.text else (system or m.text)
             system = ""
             ids += prefix + (encode(text) if text else [])
         else:  # the assistant's reply (after its user turn, or alone)
             ids += answer + (encode(m.text) if m.text else [])
-    return ids + query_tail(tok, reasoning)
+    return ids + query_tail(tok, reasoning), later
 
 
 def chat_message(query_output: dict) -> dict:

@@ -24,11 +24,13 @@ NextInput = int | torch.Tensor | None
 @dataclass
 class Prompt:
     """What a request prefills: an optional image embedding (after BOS) then token ids, some of whose
-    embeddings may be replaced (overrides: prompt index -> embedding, as for spatial refs)."""
+    embeddings may be replaced (overrides: prompt index -> embedding, as for spatial refs, or rows, as for a
+    conversation's later images, whose ranges are blocks)."""
 
     token_ids: list[int]
     image_embedding: torch.Tensor | None = None
     overrides: dict | None = None
+    blocks: tuple[tuple[int, int], ...] = ()  # prompt index ranges [start, end) that see themselves bidirectionally
 
 
 class Generation:

@@ -22,7 +22,8 @@ def run_single(model: Moondream, prompt: Prompt, generation: Generation,
         prefix = model.image_prefix(prompt.image_embedding)
         prefix_len = prefix.shape[0]
         inputs = torch.cat([prefix, inputs], dim=0)
-    cache = DenseCache(model.config.text, model.device, model.dtype, prefix_len)
+    blocks = tuple((prefix_len + start, prefix_len + end) for start, end in prompt.blocks)
+    cache = DenseCache(model.config.text, model.device, model.dtype, prefix_len, blocks)
     positions = torch.arange(inputs.shape[0], device=model.device)
     first_logits = None
     while True:

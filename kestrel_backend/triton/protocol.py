@@ -49,6 +49,23 @@ def _bytes(name: str, arr: np.ndarray | None) -> bytes | None:
     return bytes(value)
 
 
+def _images(arr: np.ndarray | None) -> list[bytes]:
+    """IMAGE's elements (one; the chat skill takes several, its messages naming them by index), each encoded image
+    bytes, a data URL or base64."""
+    if arr is None:
+        return []
+    if arr.dtype != np.object_:
+        raise InvalidRequest(f"IMAGE must be a BYTES tensor, got {arr.dtype}")
+    images = []
+    for i, value in enumerate(arr.reshape(-1)):
+        if isinstance(value, str):
+            value = value.encode()
+        if not isinstance(value, (bytes, bytearray)):
+            raise InvalidRequest(f"IMAGE[{i}] must hold bytes")
+        images.append(image_bytes(bytes(value), f"IMAGE[{i}]" if arr.size > 1 else "IMAGE"))
+    return images
+
+
 def _text(name: str, arr: np.ndarray | None) -> str | None:
     raw = _bytes(name, arr)
     if raw is None:
@@ -126,12 +143,15 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
     spatial_refs = _spatial_refs(get("SPATIAL_REFS"))
     if spatial_refs is not None and skill != "query":
         raise InvalidRequest(f"SPATIAL_REFS is only taken by the query skill, not {skill}")
-    image = image_bytes(_bytes("IMAGE", get("IMAGE")))
+    images = _images(get("IMAGE"))
+    if len(images) > 1 and skill != "chat":
+        raise InvalidRequest(f"IMAGE holds {len(images)} images; only the chat skill takes more than one")
+    image = images[0] if images else None
     messages = _json("MESSAGES", get("MESSAGES"))
     if skill == "chat":
         if messages is None:
             raise InvalidRequest("MESSAGES is required for SKILL chat")
-        messages = parse_messages(messages, [image] if image else [])
+        messages = parse_messages(messages, [i for i in images if i])
     elif messages is not None:
         raise InvalidRequest(f"MESSAGES is only taken by the chat skill, not {skill}")
     return WireRequest(
