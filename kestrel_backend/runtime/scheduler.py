@@ -171,9 +171,8 @@ class Scheduler:
         self._spent = 0  # of the budget, by this step's admissions
         self.attention = make_attention(cache)
         # a step with a conversation's later image blocks: the torch path's general mask (the GPU kernel's mask
-        # knows only the image prefix)
-        self.block_attention = self.attention if isinstance(self.attention, TorchPagedAttention) else \
-            TorchPagedAttention(cache)
+        # knows only the image prefix; on the CPU the two are alike)
+        self.block_attention = TorchPagedAttention(cache)
         self.decoder = decoder
         self.prefill_graphs = prefill_graphs  # graphs for prefill steps (make_prefill_graphs), or None
         self.crop_encoder = crop_encoder  # graphs of the vision encoder, or None (eager)
