@@ -127,15 +127,28 @@ def test_conversations_batched_equal_each_alone_on_the_single_request_path(engin
     assert engine.no_request_holds_pages()
 
 
-def test_a_second_turn_on_the_same_image_reads_its_prefix_from_the_cache(engine, jpeg):
+@pytest.mark.parametrize("with_image", [True, False])
+def test_a_second_turn_prefills_only_what_the_first_did_not(engine, jpeg, with_image):
+    """Turn 2's prompt starts with turn 1's: every whole page of turn 1's prompt (its image prefix and its text) comes
+    from the prefix cache, and the answer is the one a fresh engine without the cache gives."""
     settings = {"temperature": 0, "max_tokens": 4}
+    image = jpeg if with_image else None
+    turn_1, turn_2 = conversation(image)[:2], conversation(image)
 
-    async def turns():
-        first = await engine.chat(parse_messages(conversation(jpeg)[:2], [jpeg]), False, False, settings)
-        second = await engine.chat(parse_messages(conversation(jpeg), [jpeg]), False, False, settings)
+    async def turns(eng):
+        first = await eng.chat(parse_messages(turn_1, [jpeg]), False, False, settings)
+        second = await eng.chat(parse_messages(turn_2, [jpeg]), False, False, settings)
         return first, second
-    first, second = asyncio.run(turns())
-    assert second.metrics["cached_tokens"] >= 720 and second.metrics["input_tokens"] > first.metrics["input_tokens"]
+    first, second = asyncio.run(turns(engine))
+    assert second.metrics["cached_tokens"] == first.metrics["input_tokens"] // 16 * 16 > (720 if with_image else 0)
+    assert second.metrics["input_tokens"] > first.metrics["input_tokens"]
+    fresh = InferenceEngine.create(RuntimeConfig(model_path=str(engine.config.model_path), device="cpu",
+                                                 dtype="float32", prefix_cache_size=0))
+    try:
+        uncached = asyncio.run(turns(fresh))[1]
+    finally:
+        fresh.shutdown()
+    assert uncached.metrics["cached_tokens"] == 0 and uncached.output == second.output
 
 
 @pytest.mark.parametrize("raw, message", [

@@ -13,6 +13,7 @@ from kestrel_backend.config import PREFIX_AHEAD_MOE, ConfigError, RuntimeConfig
 from kestrel_backend.engine import (EngineDraining, EngineError, EngineOverloaded, InferenceEngine, InvalidRequest,
                                     RequestCancelled)
 from kestrel_backend.runtime.image_cache import image_key
+from kestrel_backend.runtime.prefix_cache import page_keys
 from kestrel_backend.runtime.sequence import Delivery, Sequence
 from kestrel_backend.skills.generation import Generation
 
@@ -633,33 +634,40 @@ def test_drain_refuses_new_requests_finishes_short_ones_and_ends_the_rest_at_the
         eng.shutdown()
 
 
-def test_prefix_cache_pages_are_shared_and_given_back():
+def test_prefix_cache_pages_are_shared_by_prompts_that_start_alike_and_given_back():
     import torch
 
     from kestrel_backend.model.config import TextConfig
     from kestrel_backend.runtime.kv_cache import PagedKVCache
-    from kestrel_backend.runtime.prefix_cache import PrefixCache
+    from kestrel_backend.runtime.prefix_cache import PrefixCache, page_keys
 
     kv = PagedKVCache(TextConfig(dim=8, ff_dim=16, n_layers=1, n_heads=1, n_kv_heads=1), 10, 16, "cpu", torch.float32)
-    prefixes = PrefixCache(kv, capacity=2)
+    prefixes = PrefixCache(kv, capacity=3)
+    a = page_keys("", [("image", "x")] * 20 + [7] * 15, 16)  # two whole pages (the third is partly filled)
+    assert len(a) == 2 and page_keys("", [("image", "x")] * 20 + [7] * 15, 16) == a
     kv.allocate(1, 40)
-    prefixes.insert("a", kv.tables[1], prefix_len=35)  # two whole pages of the prefix
+    prefixes.insert(a, kv.tables[1])
     kv.free(1)
     assert (kv.pages_free, prefixes.idle_pages) == (8, 2)
-    shared = prefixes.lookup("a")
+    shared = prefixes.lookup(a)
     kv.allocate(2, 40, shared)
     assert kv.tables[2][:2] == shared and (kv.pages_free, prefixes.idle_pages) == (7, 0)
-    prefixes.reclaim(10)  # lets go of "a"; its pages stay with sequence 2
+    # a prompt that parts from a in its second page takes the first; another image or adapter, nothing
+    assert prefixes.lookup(page_keys("", [("image", "x")] * 20 + [8] * 15, 16)) == shared[:1]
+    assert prefixes.lookup(page_keys("", [("image", "y")] * 20 + [7] * 15, 16)) == []
+    assert prefixes.lookup(page_keys("lora#1", [("image", "x")] * 20 + [7] * 15, 16)) == []
+    prefixes.reclaim(10)  # lets go of a's pages; they stay with sequence 2
     assert (len(prefixes), kv.pages_free) == (0, 7)
     kv.free(2)
     assert kv.pages_free == 10
-    for key, sid in (("a", 3), ("b", 4), ("c", 5)):  # over capacity: the least recently used goes
+    b = page_keys("", [5] * 32, 16)
+    for keys, sid in ((a, 3), (b, 4)):  # over capacity (3 pages): the least recently used run's last page goes first
         kv.allocate(sid, 40)
-        prefixes.insert(key, kv.tables[sid], prefix_len=35)
+        prefixes.insert(keys, kv.tables[sid])
         kv.free(sid)
-    assert prefixes.lookup("a") == [] and len(prefixes) == 2 and kv.pages_free == 6
-    prefixes.reclaim(8, keep={"c"})
-    assert len(prefixes) == 1 and prefixes.lookup("c") and kv.pages_free == 8
+    assert len(prefixes.lookup(a)) == 1 and prefixes.holds(b) and kv.pages_free == 7
+    prefixes.reclaim(9, keep=set(b))
+    assert len(prefixes) == 2 and prefixes.holds(b) and kv.pages_free == 8
 
 
 def test_requests_on_one_image_share_its_prefix_pages(tiny_dir):
@@ -680,17 +688,21 @@ def test_requests_on_one_image_share_its_prefix_pages(tiny_dir):
         async def ask(img, max_tokens=8):
             return await eng.query(img, "What is this?", settings={"temperature": 0, "max_tokens": max_tokens})
 
+        def prefix_whole(img) -> bool:  # (its 45 whole pages of BOS and image rows)
+            return eng.scheduler.prefixes.holds(page_keys("", [("image", image_key(img))] * 730, 16))
+
         first = asyncio.run(ask(a))
-        prefix_pages = eng.stats()["pages_cached"]
-        assert prefix_pages == 730 // 16 and eng.stats()["prefix_hits"] == 0
+        prompt_pages = eng.stats()["pages_cached"]  # (the prompt's whole pages: the image prefix's and the question's)
+        assert prompt_pages == first.metrics["input_tokens"] // 16 and eng.stats()["prefix_hits"] == 0
         again = asyncio.run(ask(a))
         assert again.output == first.output and eng.stats()["prefix_hits"] == 1
         assert again.metrics["input_tokens"] == first.metrics["input_tokens"]
+        assert again.metrics["cached_tokens"] == (first.metrics["input_tokens"] - 1) // 16 * 16
 
         asyncio.run(ask(b))
-        assert eng.stats()["pages_cached"] == 2 * prefix_pages
-        asyncio.run(ask(c))  # needs more pages than are free: a's prefix, the least recently used, goes
-        assert eng.stats()["pages_cached"] == 2 * prefix_pages and eng.scheduler.prefixes.lookup(image_key(a)) == []
+        assert eng.stats()["pages_cached"] == 2 * prompt_pages
+        asyncio.run(ask(c))  # needs more pages than are free: a's, the least recently used, go
+        assert not prefix_whole(a) and prefix_whole(b) and prefix_whole(c)
 
         async def cancelled_midway():
             stream = await eng.query(b, "Describe it.", stream=True, settings={"max_tokens": 200})
@@ -701,8 +713,7 @@ def test_requests_on_one_image_share_its_prefix_pages(tiny_dir):
                 await stream.result()
 
         asyncio.run(cancelled_midway())  # a long request: c's prefix makes room for it, b's stays
-        assert eng.stats()["prefix_hits"] == 2 and eng.stats()["pages_cached"] == prefix_pages
-        assert eng.scheduler.prefixes.lookup(image_key(c)) == [] and eng.scheduler.prefixes.lookup(image_key(b))
+        assert eng.stats()["prefix_hits"] == 2 and not prefix_whole(c) and prefix_whole(b)
         assert asyncio.run(ask(b)).finish_reason in ("stop", "length") and eng.stats()["prefix_hits"] == 3
         assert eng.no_request_holds_pages()
     finally:

@@ -235,6 +235,25 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(triton_serve
     assert metric_sum(text, "kestrel_engine_state", state="kv_pages_used") == 0
 
 
+def test_chat_streamed_and_not_and_a_second_turn_reads_the_first_from_the_prefix_cache(triton_server, client, image):
+    settings = {"temperature": 0, "max_tokens": 6}
+    turn_1 = [{"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": "What is it?"}]}]
+    first = client.chat(turn_1, image, reasoning=False, settings=settings)
+    streamed = list(client.stream("chat", image=image, messages=turn_1, reasoning=False, settings=settings))
+    assert "".join(b.get("chunk", "") for b in streamed) == first["message"]["content"] and streamed[-1]["completed"]
+    before = metric_sum(idle_metrics(triton_server), "kestrel_cached_prompt_tokens_total", skill="chat")
+    turn_2 = turn_1 + [{"role": "assistant", "content": first["message"]["content"]},
+                       {"role": "user", "content": "And the colour?"}]
+    second = client.chat(turn_2, image, reasoning=False, settings=settings)
+    assert second["metrics"]["cached_tokens"] >= first["metrics"]["input_tokens"] // 16 * 16 > 730
+    deadline = time.time() + 10
+    while metric_sum(metrics_text(triton_server), "kestrel_cached_prompt_tokens_total", skill="chat") - before < \
+            second["metrics"]["cached_tokens"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert metric_sum(metrics_text(triton_server), "kestrel_cached_prompt_tokens_total", skill="chat") - before == \
+        second["metrics"]["cached_tokens"]
+
+
 def test_one_pixel_image_is_served(client):
     one = pyvips.Image.new_from_array(np.full((1, 1, 3), 200, np.uint8)).pngsave_buffer()
     assert client.caption(one, settings={"max_tokens": 3})["finish_reason"] in ("stop", "length")

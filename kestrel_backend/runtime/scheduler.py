@@ -35,7 +35,7 @@ from .attention import SeqSlice, TorchPagedAttention
 from .encode_clock import EncodeClock
 from .image_cache import ImageCache
 from .kv_cache import PagedKVCache
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, page_keys
 from .sequence import EngineResult, Sequence, StreamChunk
 
 log = logging.getLogger("kestrel.scheduler")
@@ -149,7 +149,8 @@ class Scheduler:
         self.model = model
         self.cache = cache
         self.images = image_cache
-        self.prefixes = PrefixCache(cache, prefix_cache_size)
+        # (prefix_cache_size counts image prefixes: that many prefixes' whole pages, whatever prompts fill them)
+        self.prefixes = PrefixCache(cache, prefix_cache_size * (model.config.text.prefix_attn // cache.page_size))
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens  # the budget of _admit (0: none)
         self.admit_group = admit_group  # under a backlog, admit no fewer at once (_admit; 0: as slots free)
@@ -327,8 +328,11 @@ class Scheduler:
             return []  # a prefill step of a few rows reads every weight (every expert) as one of many would
         while self.waiting and len(self.running) - leaving < self.max_batch_size:
             seq = self.waiting[0]
-            shared = self.prefixes.lookup(seq.prefix_key) if seq.image_key is not None else []
-            if not shared and seq.prefix_key in prefilling or ahead and self._needs_encode(seq):
+            keys = self._usable_keys(seq)
+            shared = self.prefixes.lookup(keys)
+            prefix_cached = len(shared) >= self._prefix_pages
+            if seq.image_key is not None and not prefix_cached and seq.prefix_key in prefilling or \
+                    ahead and self._needs_encode(seq):
                 deferred.append(self.waiting.popleft())  # (its image is encoded ahead in this step: see below)
                 continue
             cost = self._prefill_cost(seq, len(shared), encoding)
@@ -336,7 +340,7 @@ class Scheduler:
                 break  # (a request larger than the budget still runs: in a step of its own)
             need = self.cache.pages_for(seq.capacity) - len(shared)
             if need > self.cache.pages_free:
-                self.prefixes.reclaim(need, keep={seq.prefix_key})
+                self.prefixes.reclaim(need, keep=set(keys))
                 if need > self.cache.pages_free:
                     break  # wait for pages; FIFO keeps big requests from starving
             self.waiting.popleft()
@@ -346,7 +350,7 @@ class Scheduler:
             self.cache.allocate(seq.id, seq.capacity, shared)
             seq.length = seq.cached_tokens = len(shared) * self.cache.page_size
             self.prefix_hits += bool(shared)
-            if seq.image_key is not None and not shared and self.prefixes.capacity:
+            if seq.image_key is not None and not prefix_cached and self.prefixes.capacity:
                 prefilling.add(seq.prefix_key)
             self.running.append(seq)
             new.append(seq)
@@ -373,14 +377,34 @@ class Scheduler:
             tokens += len(seq.cropped[0]) * self.crop_cost
         return tokens
 
+    @property
+    def _prefix_pages(self) -> int:
+        """Whole pages of an image prefix."""
+        return self.model.config.text.prefix_attn // self.cache.page_size
+
+    def _page_keys(self, seq: Sequence) -> list[str]:
+        """The prefix cache's keys of seq's prompt's whole pages (computed once, at admission: later images and
+        spatial refs are in their place then)."""
+        if seq.page_keys is None:
+            prefix_attn = self.model.config.text.prefix_attn
+            seed = f"{seq.adapter.name}#{seq.adapter.uid}" if seq.adapter is not None else ""
+            seq.page_keys = page_keys(seed, seq.prompt_units(prefix_attn, prefix_attn - 1), self.cache.page_size)
+        return seq.page_keys
+
+    def _usable_keys(self, seq: Sequence) -> list[str]:
+        """The keys of the pages seq may take from the cache: all but the one holding its last prompt position,
+        whose prefill gives the first token."""
+        prompt = (self.model.config.text.prefix_attn if seq.image_key is not None else 0) + len(seq.token_ids)
+        return self._page_keys(seq)[:(prompt - 1) // self.cache.page_size]
+
     def _keep_prefixes(self, prefilled: list[Sequence], ahead: list[PrefixAhead] = ()) -> None:
-        """Offer the image prefixes just written to the prefix cache (in stream order, later steps read them
-        after this one has written them)."""
+        """Offer the prompts' whole pages just written to the prefix cache (in stream order, later steps read them
+        after this one has written them), and the image prefixes prefilled ahead."""
         written = [seq for seq in prefilled if seq.image_key is not None and not seq.cached_tokens]
-        for seq in written:
-            self.prefixes.insert(seq.prefix_key, self.cache.tables[seq.id], seq.prefix_len)
+        for seq in prefilled:
+            self.prefixes.insert(self._page_keys(seq), self.cache.tables[seq.id])
         for a in ahead:
-            self.prefixes.insert(a.key, self.cache.tables[a.id], a.prefix_len)
+            self.prefixes.insert(self._page_keys(a.first)[:self._prefix_pages], self.cache.tables[a.id])
         self.prefixes_ahead += len(ahead)
         if written or ahead:
             self.steps_by_prefixes_written[len(written) + len(ahead)] += 1
@@ -403,7 +427,8 @@ class Scheduler:
         ready: dict[str, tuple[Sequence, torch.Tensor]] = {}
         for seq in window:
             key = seq.prefix_key
-            if seq.image_key is None or seq.adapter is not None or key in ready or key in taken or key in self.prefixes:
+            if seq.image_key is None or seq.adapter is not None or key in ready or key in taken or \
+                    self.prefixes.holds(self._page_keys(seq)[:self._prefix_pages]):
                 continue
             emb = self._embedding(seq)
             if emb is not None:
@@ -412,7 +437,8 @@ class Scheduler:
             return
         room = self.max_step_tokens - self._spent if self.max_step_tokens else 1 << 62
         reserve = self.cache.pages_for(self.waiting[0].capacity)
-        needed = {seq.prefix_key for seq in window}  # (prefixes of other images may make room)
+        needed = {key for seq in window if seq.image_key is not None  # (prefixes of other images may make room)
+                  for key in self._page_keys(seq)[:self._prefix_pages]}
         for key, (seq, emb) in ready.items():
             rows = emb.shape[0] + 1  # (BOS and the image: image_prefix's rows, built once they fit)
             if rows > room:

@@ -142,6 +142,7 @@ class Sequence:
     prompt_overrides: dict[int, torch.Tensor] | None = None  # prompt index -> embedding (spatial refs)
     pixels: np.ndarray | None = None  # segment's image, for its refiner
     later_images: list[LaterImage] = field(default_factory=list)
+    page_keys: list[str] | None = None  # the prefix cache's keys of its prompt's whole pages (set at admission)
     # filled by the scheduler
     prefix_len: int = 0
     blocks: tuple[tuple[int, int], ...] = ()  # the later images' positions [start, end): bidirectional within each
@@ -162,6 +163,17 @@ class Sequence:
         if self.image_key is None or self.adapter is None:
             return self.image_key
         return f"{self.image_key}+{self.adapter.name}#{self.adapter.uid}"
+
+    def prompt_units(self, prefix_attn: int, image_rows: int) -> list:
+        """What each prompt position holds, for the prefix cache's keys: the image prefix's positions (BOS too) the
+        image, a later image's rows that image, a spatial ref's embedding this request alone, else the token id."""
+        units: list = [("image", self.image_key)] * prefix_attn if self.image_key is not None else []
+        tail: list = list(self.token_ids)
+        for later in self.later_images:
+            tail[later.index:later.index + image_rows] = [("image", later.key)] * image_rows
+        for index in self.prompt_overrides or {}:
+            tail[index] = ("embedding", self.id)
+        return units + tail
 
     @property
     def input_tokens(self) -> int:

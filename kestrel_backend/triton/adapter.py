@@ -112,7 +112,7 @@ class TritonAdapter:
             settings = wire.settings or {}
             self.outbox.call(self.metrics.request_done, wire.skill, outcome, time.perf_counter() - received,
                              m["ttft_ms"] / 1000 if m else None, m.get("output_tokens", 0),
-                             settings.get("adapter") or settings.get("variant"))
+                             settings.get("adapter") or settings.get("variant"), m.get("cached_tokens", 0))
 
     async def _call(self, wire: WireRequest, stream: bool):
         e = self.engine
