@@ -34,6 +34,8 @@ from .errors import ApiError, from_triton, refused_before_admission
 log = logging.getLogger("kestrel.gateway")
 LOAD_BOUND = 1.25  # a replica takes a request while it has at most this times the mean in flight,
 LOAD_SLACK = 2  # plus this many: at a few requests in flight the bound alone would scatter an image's questions
+READY_WAIT_S = 5.0  # with no replica ready (a rolling restart's worst moment, a busy host's late probes), a request
+# waits this long for one, asking them again, before it is answered 503
 
 
 @dataclass(eq=False)
@@ -46,6 +48,21 @@ class Replica:
 
     def available(self, now: float) -> bool:
         return self.ready and now >= self.avoid_until
+
+
+def replica_client(url: str) -> grpcaio.InferenceServerClient:
+    """tritonclient's channel options, with reconnection after at most a second: gRPC's default backoff grows to two
+    minutes while a restarting server refuses connections, and kept a replica that was back out of the rotation for
+    10 s and more (measured in a rolling restart of three), long enough for the next one to go down meanwhile."""
+    ka = grpcaio.KeepAliveOptions()
+    return grpcaio.InferenceServerClient(url, channel_args=[
+        ("grpc.max_send_message_length", grpcaio.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", grpcaio.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", ka.keepalive_time_ms), ("grpc.keepalive_timeout_ms", ka.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", ka.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", ka.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000)])
 
 
 def rendezvous_order(key: str, replicas: list[Replica]) -> list[Replica]:
@@ -93,7 +110,7 @@ class Upstream:
             infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
             urls += sorted({f"{info[4][0]}:{port}" for info in infos})
         for url in set(urls) - set(self.replicas):
-            self.replicas[url] = Replica(url, grpcaio.InferenceServerClient(url))
+            self.replicas[url] = Replica(url, replica_client(url))
         for url in set(self.replicas) - set(urls):
             gone = self.replicas.pop(url)
             if not gone.inflight:
@@ -103,12 +120,26 @@ class Upstream:
     async def _probe(self, replica: Replica) -> None:
         """Its answer, or not ready when it cannot be reached; a probe that only ran late (a busy host) changes
         nothing: it had taken healthy replicas out of the rotation during a rolling restart."""
+        was = replica.ready
         try:
             replica.ready = await asyncio.wait_for(replica.client.is_model_ready(self.model), 2.0)
         except asyncio.TimeoutError:
             pass
-        except Exception:
+        except Exception as e:
             replica.ready = False
+            if was:
+                log.info("replica %s unreachable: %s", replica.url, str(e)[:200])
+        if replica.ready != was:
+            log.info("replica %s %s", replica.url, "ready" if replica.ready else "not ready")
+
+    async def _choices_when_ready(self, key: str | None) -> list[Replica]:
+        """The replicas to try; with none ready now, asked again until one is or READY_WAIT_S has passed."""
+        choices, deadline = self.choices(key), time.monotonic() + READY_WAIT_S
+        while not choices and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            await asyncio.gather(*[self._probe(r) for r in list(self.replicas.values()) if not r.ready])
+            choices = self.choices(key)
+        return choices
 
     @property
     def ready(self) -> bool:
@@ -129,7 +160,7 @@ class Upstream:
         """The moondream model's JSON bodies for one request (on its own gRPC stream), as they come. Closing the
         generator early (the HTTP client went away) cancels the request on its replica."""
         tried = []
-        for replica in self.choices(key):
+        for replica in await self._choices_when_ready(key):
             tried.append(replica.url)
             replica.inflight += 1
             responses, answered = None, False
@@ -159,6 +190,7 @@ class Upstream:
                     raise ApiError(502, f"replica {replica.url} failed while serving the request: "
                                         f"{e.code().name}: {e.details()}") from None
                 replica.ready = False  # refused the connection: to the next replica
+                log.info("replica %s refused a connection: %s", replica.url, (e.details() or "")[:200])
                 self.on_outcome(replica.url, "unreachable")
             finally:
                 replica.inflight -= 1
