@@ -133,7 +133,9 @@ def test_a_second_turn_prefills_only_what_the_first_did_not(engine, jpeg, with_i
     from the prefix cache, and the answer is the one a fresh engine without the cache gives."""
     settings = {"temperature": 0, "max_tokens": 4}
     image = jpeg if with_image else None
-    turn_1, turn_2 = conversation(image)[:2], conversation(image)
+    turn_2 = conversation(image)
+    turn_2[0] = {"role": "system", "content": "Answer in one word."}  # (a conversation no other test sent)
+    turn_1 = turn_2[:2]
 
     async def turns(eng):
         first = await eng.chat(parse_messages(turn_1, [jpeg]), False, False, settings)
