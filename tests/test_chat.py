@@ -153,6 +153,35 @@ def test_a_second_turn_prefills_only_what_the_first_did_not(engine, jpeg, with_i
     assert uncached.metrics["cached_tokens"] == 0 and uncached.output == second.output
 
 
+def test_the_prefix_cache_never_changes_an_answer(engine, jpeg, tiny_dir):
+    """Conversations at different turns (sharing their pages), with and without images, and queries, in one batch:
+    with the cache on (twice: the second time every prompt's pages but its last are cached) each answer equals the one
+    an engine without the cache gives to the same batch."""
+    other = (tiny_dir / "images" / "medium.png").read_bytes()
+    settings = {"temperature": 0, "max_tokens": 6}
+    two_images = conversation(jpeg)
+    two_images[3] = {"role": "user", "content": [{"type": "image", "index": 1}, {"type": "text", "text": "This?"}]}
+    conversations = [conversation(jpeg)[:2], conversation(jpeg), conversation(None)[:2], conversation(None),
+                     two_images]
+
+    async def batch(eng):
+        return [r.output for r in await asyncio.gather(
+            *[eng.chat(parse_messages(raw, [jpeg, other]), reasoning, False, settings)
+              for raw in conversations for reasoning in (False, True)],
+            eng.query(jpeg, "What is this?", False, False, settings), eng.query(other, "What is this?", False, False,
+                                                                                settings),
+            eng.query(None, "Hello there", False, False, settings))]
+    fresh = InferenceEngine.create(RuntimeConfig(model_path=str(engine.config.model_path), device="cpu",
+                                                 dtype="float32", prefix_cache_size=0))
+    try:
+        uncached = asyncio.run(batch(fresh))
+    finally:
+        fresh.shutdown()
+    assert asyncio.run(batch(engine)) == uncached
+    assert asyncio.run(batch(engine)) == uncached
+    assert engine.no_request_holds_pages()
+
+
 @pytest.mark.parametrize("raw, message", [
     ("[", "MESSAGES is not valid JSON"),
     ("[]", "non-empty"),
