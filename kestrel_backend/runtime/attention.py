@@ -48,20 +48,16 @@ class TorchPagedAttention:
         self._read, prefix_rows = [], {}
         for s in batch:
             n = s.end - s.start
-            if s.blocks:
-                keys = torch.arange(s.first_pos + n, device=dev)
-                key_rows = to_device(self.cache.rows([(s.seq_id, 0, s.first_pos + n)]), torch.long, dev)
-                self._read.append((key_rows, attention_mask(s.positions, keys, s.prefix_len, s.blocks)))
-            elif s.first_pos == 0 and s.prefix_len:
+            if s.first_pos == 0 and s.prefix_len and not s.blocks:
                 prefix_rows.setdefault(s.prefix_len, []).append(torch.arange(s.start, s.start + s.prefix_len))
                 tail = torch.arange(s.prefix_len, n, device=dev)
                 self._read.append((None, torch.arange(n, device=dev)[None, :] <= tail[:, None]))
-            elif s.first_pos == 0:
+            elif s.first_pos == 0 and not s.blocks:
                 self._read.append((None, None))
             else:
                 keys = torch.arange(s.first_pos + n, device=dev)
                 key_rows = to_device(self.cache.rows([(s.seq_id, 0, s.first_pos + n)]), torch.long, dev)
-                self._read.append((key_rows, attention_mask(s.positions, keys, s.prefix_len)))
+                self._read.append((key_rows, attention_mask(s.positions, keys, s.prefix_len, s.blocks)))
         self._prefixes = {p: torch.cat(rows).to(dev) for p, rows in prefix_rows.items()}
 
     def _plan_writes(self, batch: list[SeqSlice]) -> None:

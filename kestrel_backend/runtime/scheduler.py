@@ -371,8 +371,7 @@ class Scheduler:
     def _prefill_cost(self, seq: Sequence, shared_pages: int, encoding: set[str]) -> int:
         """The work admitting seq adds to this step, in prompt tokens: those its prefill writes (an image prefix
         from the prefix cache is not written again), and its image's crops if this step encodes them."""
-        prefix = self.model.config.text.prefix_attn if seq.image_key is not None else 0
-        tokens = max(prefix + len(seq.token_ids) - shared_pages * self.cache.page_size, 1)
+        tokens = max(self._prompt_len(seq) - shared_pages * self.cache.page_size, 1)
         if self._needs_encode(seq) and seq.image_key not in encoding:
             tokens += len(seq.cropped[0]) * self.crop_cost
         return tokens
@@ -391,11 +390,14 @@ class Scheduler:
             seq.page_keys = page_keys(seed, seq.prompt_units(prefix_attn, prefix_attn - 1), self.cache.page_size)
         return seq.page_keys
 
+    def _prompt_len(self, seq: Sequence) -> int:
+        """Its prompt's positions, its image prefix's included (known before admission sets seq.prefix_len)."""
+        return (self.model.config.text.prefix_attn if seq.image_key is not None else 0) + len(seq.token_ids)
+
     def _usable_keys(self, seq: Sequence) -> list[str]:
         """The keys of the pages seq may take from the cache: all but the one holding its last prompt position,
         whose prefill gives the first token."""
-        prompt = (self.model.config.text.prefix_attn if seq.image_key is not None else 0) + len(seq.token_ids)
-        return self._page_keys(seq)[:(prompt - 1) // self.cache.page_size]
+        return self._page_keys(seq)[:(self._prompt_len(seq) - 1) // self.cache.page_size]
 
     def _keep_prefixes(self, prefilled: list[Sequence], ahead: list[PrefixAhead] = ()) -> None:
         """Offer the prompts' whole pages just written to the prefix cache (in stream order, later steps read them

@@ -36,12 +36,13 @@ def _one(name: str, arr: np.ndarray):
     return arr.reshape(-1)[0]
 
 
-def _bytes(name: str, arr: np.ndarray | None) -> bytes | None:
-    if arr is None:
-        return None
+def _bytes_tensor(name: str, arr: np.ndarray) -> np.ndarray:
     if arr.dtype != np.object_:
         raise InvalidRequest(f"{name} must be a BYTES tensor, got {arr.dtype}")
-    value = _one(name, arr)
+    return arr
+
+
+def _element_bytes(name: str, value) -> bytes:
     if isinstance(value, str):
         return value.encode()
     if not isinstance(value, (bytes, bytearray)):
@@ -49,21 +50,20 @@ def _bytes(name: str, arr: np.ndarray | None) -> bytes | None:
     return bytes(value)
 
 
+def _bytes(name: str, arr: np.ndarray | None) -> bytes | None:
+    if arr is None:
+        return None
+    return _element_bytes(name, _one(name, _bytes_tensor(name, arr)))
+
+
 def _images(arr: np.ndarray | None) -> list[bytes]:
     """IMAGE's elements (one; the chat skill takes several, its messages naming them by index), each encoded image
     bytes, a data URL or base64."""
     if arr is None:
         return []
-    if arr.dtype != np.object_:
-        raise InvalidRequest(f"IMAGE must be a BYTES tensor, got {arr.dtype}")
-    images = []
-    for i, value in enumerate(arr.reshape(-1)):
-        if isinstance(value, str):
-            value = value.encode()
-        if not isinstance(value, (bytes, bytearray)):
-            raise InvalidRequest(f"IMAGE[{i}] must hold bytes")
-        images.append(image_bytes(bytes(value), f"IMAGE[{i}]" if arr.size > 1 else "IMAGE"))
-    return images
+    values = _bytes_tensor("IMAGE", arr).reshape(-1)
+    names = [f"IMAGE[{i}]" for i in range(len(values))] if len(values) > 1 else ["IMAGE"]
+    return [image_bytes(_element_bytes(name, value), name) for name, value in zip(names, values)]
 
 
 def _text(name: str, arr: np.ndarray | None) -> str | None:
