@@ -2,7 +2,8 @@
 
 1. Next-turn time to first token: conversations whose turn 1 brings a new image; each one's turn 2 (the history and
    a new question) is sent alone once turn 1 has answered, beside a text-only query of as many new tokens (turn 2's
-   prompt positions that were not cached), also alone. Reported: the engine's TTFT p50 of each and their ratio.
+   prompt positions that were not cached; a prompt of its own, so none of it is cached), also alone. Reported: the
+   engine's TTFT p50 of each, their ratio, and the p50 of the step that gave the first token.
 2. Conversations in a burst: `--conversations` at once, `--turns` turns each (one new image on turn 1, a short
    question a turn, answers forced to `--max-tokens`), each conversation's next turn sent as soon as its answer is
    back; the engine's request rate over all turns, with the prefix cache on and off (KESTREL_PREFIX_CACHE_SIZE=0).
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.kestrel_method import chart_png  # noqa: E402
+from benchmarks.kestrel_method import burst_counters, chart_png  # noqa: E402
 from kestrel_backend.config import RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
@@ -53,23 +54,27 @@ async def converse(engine, image: bytes, turns: int, settings: dict) -> list:
 
 def next_turn_ttft(engine, images: list[bytes], settings: dict) -> dict:
     """Turn 2 of each conversation alone, after its turn 1, beside a text-only query of turn 2's new positions."""
-    turn_2, text_only, new_positions = [], [], []
+    turn_2, text_only, new_positions, steps = [], [], [], []
     tokenizer = engine.model.tokenizer
-    for image in images:
+    for sample, image in enumerate(images):
         first = asyncio.run(engine.chat(parse_messages(first_turn(0, QUESTIONS[0]), [image]), False, False, settings))
         messages = first_turn(0, QUESTIONS[0]) + [{"role": "assistant", "content": first.output["message"]["content"]},
                                                   {"role": "user", "content": QUESTIONS[1]}]
         second = asyncio.run(engine.chat(parse_messages(messages, [image]), False, False, settings))
         new = second.metrics["input_tokens"] - second.metrics["cached_tokens"]
-        words = " ".join(f"w{i}" for i in range(new))  # a fresh text prompt of about as many tokens
-        ids = tokenizer.encode(words).ids[:max(new - 6, 1)]
+        words = " ".join(f"s{sample}w{i}" for i in range(new))  # a text prompt of about as many tokens, new to the
+        ids = tokenizer.encode(words).ids[:max(new - 6, 1)]  # prefix cache (each sample's its own)
         query = asyncio.run(engine.query(None, tokenizer.decode(ids), False, False, settings))
+        assert query.metrics["cached_tokens"] == 0, query.metrics
         turn_2.append(second.metrics["ttft_ms"])
         text_only.append(query.metrics["ttft_ms"])
-        new_positions.append((new, query.metrics["input_tokens"]))
+        steps.append((second.metrics["prefill_time_ms"], query.metrics["prefill_time_ms"]))
+        new_positions.append((new, query.metrics["input_tokens"]))  # (turn 2's uncached, the query's)
     p50_turn, p50_text = statistics.median(turn_2), statistics.median(text_only)
     return {"turn_2_ttft_p50_ms": p50_turn, "text_only_ttft_p50_ms": p50_text, "ratio": p50_turn / p50_text,
-            "new_positions_turn_2_and_text_only": new_positions[:8]}
+            "new_positions_turn_2_and_text_only": new_positions[:8],
+            # (the step that gave the first token, engine thread's wall time; TTFT adds the wait before it)
+            "prefill_step_p50_ms_turn_2_and_text_only": [statistics.median(s[i] for s in steps) for i in (0, 1)]}
 
 
 def burst(model, args, prefix_cache: bool, seed: int) -> dict:
@@ -82,14 +87,18 @@ def burst(model, args, prefix_cache: bool, seed: int) -> dict:
             return await asyncio.gather(*[converse(engine, image, turns, settings) for image in images])
         asyncio.run(conversations([chart_png(rng) for _ in range(2)], 2))  # (warm-up)
         images = [chart_png(rng) for _ in range(args.conversations)]
+        before = burst_counters(engine)
         t0 = time.perf_counter()
         results = [r for conversation in asyncio.run(conversations(images, args.turns)) for r in conversation]
         wall = time.perf_counter() - t0
+        spent = {k: round(v - before.get(k, 0), 3) for k, v in burst_counters(engine).items()
+                 if not k.startswith("triton_variants:")}
         row = {"prefix_cache": prefix_cache, "conversations": args.conversations, "turns": args.turns,
                "requests": len(results), "wall_s": wall, "req_per_s": len(results) / wall,
                "ttft_p50_ms": statistics.median(r.metrics["ttft_ms"] for r in results),
                "cached_share": sum(r.metrics["cached_tokens"] for r in results) /
-               sum(r.metrics["input_tokens"] for r in results)}
+               sum(r.metrics["input_tokens"] for r in results),
+               "images_encoded": engine.scheduler.images_encoded, "burst": spent}
         if prefix_cache:
             row["next_turn"] = next_turn_ttft(engine, [chart_png(rng) for _ in range(args.ttft_samples)], settings)
         return row

@@ -14,16 +14,25 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from itertools import groupby
 
 from .kv_cache import PagedKVCache
 
 
 def page_keys(seed: str, units: Sequence, page_size: int) -> list[str]:
-    """The keys of the whole pages of a prompt whose positions hold `units` (hashable), in order."""
-    keys, key = [], seed
-    for start in range(0, len(units) - page_size + 1, page_size):
-        key = hashlib.blake2b(repr((key, units[start:start + page_size])).encode(), digest_size=16).hexdigest()
-        keys.append(key)
+    """The keys of the whole pages of a prompt whose positions hold `units` (hashable), in order. A page is hashed as
+    its runs of equal units (an image prefix's page is one run), which names the same contents as unit by unit."""
+    keys, key, page, filled = [], seed, [], 0
+    for unit, run in groupby(units):
+        n = len(list(run))
+        while n:
+            take = min(n, page_size - filled)
+            page.append((unit, take))
+            filled, n = filled + take, n - take
+            if filled == page_size:
+                key = hashlib.blake2b(repr((key, page)).encode(), digest_size=16).hexdigest()
+                keys.append(key)
+                page, filled = [], 0
     return keys
 
 
@@ -72,9 +81,17 @@ class PrefixCache:
     def reclaim(self, pages_needed: int, keep: Collection[str] = ()) -> None:
         """Let go of the least recently used pages (not those of `keep`) until `pages_needed` pages are free or none
         is left; those still shared by a running sequence free their pages when it ends."""
-        for key in [k for k in self._pages if k not in keep]:
-            if self.cache.pages_free >= pages_needed:
-                return
+        if self.cache.pages_free >= pages_needed:
+            return
+        victims, freed = [], 0
+        for key, page in self._pages.items():  # (least recently used first; stops once enough would be free)
+            if key in keep:
+                continue
+            victims.append(key)
+            freed += self.cache.holders(page) == 1
+            if self.cache.pages_free + freed >= pages_needed:
+                break
+        for key in victims:
             self.cache.release([self._pages.pop(key)])
 
     @property
