@@ -1,5 +1,6 @@
 """Triton Python-backend entry point: thin; the engine and the wire protocol live in kestrel_backend."""
 
+import faulthandler
 import gc
 import json
 
@@ -22,6 +23,14 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        # an unload that hangs (tritonserver then waits out its exit timeout) leaves every thread's stack in its log
+        faulthandler.dump_traceback_later(15)
+        try:
+            self._release()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    def _release(self):
         self.adapter.shutdown()
         if self.gpu_instance:
             # KIND_GPU instances (the several-GPU config): freeing the engine here corrupted the stub's heap after
