@@ -8,20 +8,30 @@ may differ from this one's. A cold compile (no Triton cache) of every variant ta
 on one CPU: sm90 gets every one, the others the bf16 ones at 1, 2 and 64 rows, the architectures in parallel, a
 process a CPU (sm90, the longest, first).
 
-    python tests/compile_kernels.py   -> prints one line per compiled kernel variant; exit 1 on failure
+A variant is named by Triton's own cache key (the kernel's source and what it calls, the signature, the constexprs,
+the options, the architecture, Triton's version and its cache-invalidating settings): the key of every variant that
+compiled is kept in fixtures/compiled_kernels.json with its shared memory, as Triton's cache would keep the cubin. A
+variant whose key is there is not compiled again (Triton's compile is a function of that key); a changed kernel, or
+another Triton, has new keys and is compiled. `--record` compiles every variant, ignoring the file, and rewrites it.
+
+    python tests/compile_kernels.py [--record]   -> one line per kernel variant; exit 1 on failure
 """
 
 import dataclasses
+import hashlib
+import json
 import multiprocessing
 import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key, make_backend
 from triton.runtime.jit import JITFunction
 
 from kestrel_backend.model.config import MoeConfig, TextConfig, VisionConfig
@@ -46,6 +56,8 @@ SHARED_MEMORY = {cap: smem for cap, (smem, _) in ARCHITECTURES.items()}
 FULL_CAPABILITY = 90  # every variant (float32 too: the checks against the reference run on an H100; every row count);
 # the other GPUs the bf16 variants at 1, 2 and 64 rows (a cold compile of every variant takes minutes an architecture)
 launches = []
+RECORD = Path(__file__).parent / "fixtures" / "compiled_kernels.json"  # cache key -> shared memory of those compiled
+os.environ["TRITON_DISABLE_LINE_INFO"] = "1"  # (no debug line tables: a tenth less compile time, the same code)
 
 
 def _record(self, grid):
@@ -62,17 +74,24 @@ def _type(value) -> str:
     return "fp32"
 
 
-def compile_launch(fn: JITFunction, args, kwargs, capability: int) -> None:
+def compile_launch(fn: JITFunction, args, kwargs, capability: int, recorded: dict) -> tuple[str, int]:
+    """Compile one launch's variant for this architecture, unless its cache key is recorded: -> (key, shared memory
+    a block); raises if it does not compile or needs more shared memory than the GPU has."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     kwargs.pop("launch_pdl", None)
     values = dict(zip(fn.arg_names, args)) | kwargs
     constexprs = {p.name: values[p.name] for p in fn.params if p.is_constexpr}
     signature = {name: "constexpr" if name in constexprs else _type(values[name]) for name in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", capability, 32),
-                            options=options)
-    if kernel.metadata.shared > SHARED_MEMORY[capability]:
-        raise RuntimeError(f"needs {kernel.metadata.shared} bytes of shared memory, the GPU has "
-                           f"{SHARED_MEMORY[capability]}")
+    src, target = ASTSource(fn, signature, constexprs), GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)  # (the key as triton.compile computes it)
+    parsed = backend.parse_options(dict(options, **src.parse_options()))
+    key = hashlib.sha256(get_cache_key(src, backend, parsed, get_cache_invalidating_env_vars()).encode()).hexdigest()
+    shared = recorded.get(key)
+    if shared is None:
+        shared = triton.compile(src, target=target, options=options).metadata.shared
+    if shared > SHARED_MEMORY[capability]:
+        raise RuntimeError(f"needs {shared} bytes of shared memory, the GPU has {SHARED_MEMORY[capability]}")
+    return key, shared
 
 
 def launch_everything(capability: int) -> None:
@@ -167,8 +186,9 @@ def launch_everything(capability: int) -> None:
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
 
 
-def compile_for(capability: int) -> tuple[list[str], int]:
-    """Every kernel variant the wrappers launch on a GPU of this capability, compiled: (report lines, failures)."""
+def compile_for(capability: int, recorded: dict) -> tuple[list[str], int, dict]:
+    """Every kernel variant the wrappers launch on a GPU of this capability, compiled (or found in `recorded`):
+    (report lines, failures, the key and shared memory of each that compiled)."""
     shared, pdl = ARCHITECTURES[capability]
     JITFunction.__getitem__ = _record
     # (the wrappers ask the device what it has; there is none here)
@@ -176,7 +196,7 @@ def compile_for(capability: int) -> tuple[list[str], int]:
     dk._small_shared_memory = lambda device: shared < 200 * 1024
     launches.clear()
     launch_everything(capability)
-    seen, lines, failed = set(), [], 0
+    seen, lines, failed, compiled = set(), [], 0, {}
     for fn, args, kwargs in launches:
         variant = (fn.__name__, tuple(_type(a) for a in args), tuple(sorted(kwargs.items())))
         if variant in seen:
@@ -184,23 +204,33 @@ def compile_for(capability: int) -> tuple[list[str], int]:
         seen.add(variant)
         t0 = time.perf_counter()
         try:
-            compile_launch(fn, args, dict(kwargs), capability)
-            lines.append(f"ok   sm{capability} {fn.__name__} {sorted(kwargs.items())} "
-                         f"({time.perf_counter() - t0:.1f} s)")
+            key, compiled[key] = compile_launch(fn, args, dict(kwargs), capability, recorded)
+            how = "recorded" if key in recorded else f"{time.perf_counter() - t0:.1f} s"
+            lines.append(f"ok   sm{capability} {fn.__name__} {sorted(kwargs.items())} ({how})")
         except Exception as e:  # report every failure, not just the first
             failed += 1
             lines.append(f"FAIL sm{capability} {fn.__name__} {sorted(kwargs.items())}: {e}")
-    return lines, failed
+    return lines, failed, compiled
 
 
 def main() -> int:
     """The architectures in parallel, a process each while CPUs last (a cold compile of one takes minutes)."""
-    workers = min(len(ARCHITECTURES), os.cpu_count() or 1)
-    failed = 0
+    record = "--record" in sys.argv[1:]
+    recorded = {} if record or not RECORD.exists() else json.loads(RECORD.read_text())["shared_memory"]
+    caps = sorted(ARCHITECTURES, key=lambda c: c != FULL_CAPABILITY)
+    failed, compiled = 0, {}
+    workers = min(len(caps), os.cpu_count() or 1)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for lines, failures in pool.map(compile_for, sorted(ARCHITECTURES, key=lambda c: c != FULL_CAPABILITY)):
+        for lines, failures, keys in pool.map(compile_for, caps, [recorded] * len(caps)):
             print("\n".join(lines), flush=True)
-            failed += failures
+            failed, compiled = failed + failures, compiled | keys
+    new = sorted(set(compiled) - set(recorded))
+    print(f"{len(compiled)} variants: {len(compiled) - len(new)} recorded, {len(new)} compiled now", flush=True)
+    if record and not failed:
+        RECORD.write_text(json.dumps({"about": "written by tests/compile_kernels.py --record: the Triton cache key of "
+                                      "every kernel variant that compiled, and its shared memory a block",
+                                      "triton": triton.__version__, "shared_memory": dict(sorted(compiled.items()))},
+                                     indent=0) + "\n")
     return 1 if failed else 0
 
 
