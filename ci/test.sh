@@ -5,6 +5,6 @@ cd "$(dirname "$0")/.."
 bash ci/install.sh test
 . .venv/bin/activate
 # two pytest-xdist workers (PYTEST_WORKERS=0: one process); order-dependent modules share an xdist_group. On a clean
-# clone of a 2-CPU development machine, with a cold Triton cache: 16:00 to 16:32 in all, pytest 14:29 to 14:50 (the
-# CPU-bound kernel compile test 9.4 to 10.5 minutes of it); CI's machine ran the suite about twice as fast
+# clone of a 2-CPU development machine, with a cold Triton cache: 10:38 in all, pytest 8:58 (the kernel compile test
+# 37 s with its variants recorded; 16:34 when it compiled all of them); CI's machine runs the suite about twice as fast
 python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=10 "$@"
