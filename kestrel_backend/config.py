@@ -87,8 +87,6 @@ class RuntimeConfig:
     fp8_experts: str = "widen"  # FP8 experts (Kestrel's Moondream 3 files) on a GPU: widen (to dtype, at load),
     # fp8 (kept FP8: 8 GB less, faster steps of many rows, slower one-row steps and prefills) or both (8 GB more than
     # widen: FP8 in steps of 2 to 128 tokens, widened elsewhere); PERFORMANCE.md has the figures
-    vision_fp8: int = 0  # 1: the vision encoder's linear layers in FP8 (GPUs with FP8 tensor cores; README says what
-    # it costs in accuracy and gains in speed)
     drain_timeout_s: int = 25  # a stopping server lets admitted requests run this long (below tritonserver's
     # --exit-timeout-secs, 30 by default), then ends the rest with an error
 
@@ -105,7 +103,7 @@ class RuntimeConfig:
         "adapter_dir": "KESTREL_ADAPTER_DIR", "max_adapters": "KESTREL_MAX_ADAPTERS",
         "max_adapter_rank": "KESTREL_MAX_ADAPTER_RANK", "image_workers": "KESTREL_IMAGE_WORKERS",
         "seg_refiner_path": "KESTREL_SEG_REFINER_PATH", "drain_timeout_s": "KESTREL_DRAIN_TIMEOUT_S",
-        "fp8_experts": "KESTREL_FP8_EXPERTS", "vision_fp8": "KESTREL_VISION_FP8",
+        "fp8_experts": "KESTREL_FP8_EXPERTS",
     }
 
     @classmethod

@@ -12,8 +12,7 @@ A variant is named by Triton's own cache key (the kernel's source and what it ca
 the options, the architecture, Triton's version and its cache-invalidating settings): the key of every variant that
 compiled is kept in fixtures/compiled_kernels.json with its shared memory, as Triton's cache would keep the cubin. A
 variant whose key is there is not compiled again (Triton's compile is a function of that key); a changed kernel, or
-another Triton, has new keys and is compiled. `--record` rewrites the file with the variants of this run (delete it
-first to compile every variant again).
+another Triton, has new keys and is compiled. `--record` compiles every variant, ignoring the file, and rewrites it.
 
     python tests/compile_kernels.py [--record]   -> one line per kernel variant; exit 1 on failure
 """
@@ -45,7 +44,6 @@ from kestrel_backend.kernels import decode_kernels as dk
 from kestrel_backend.kernels import lora_kernels as lk
 from kestrel_backend.kernels import moe_kernels as mk
 from kestrel_backend.kernels import w4a16_kernels as w4
-from kestrel_backend.kernels.fp8_linear import quantize_rows
 from kestrel_backend.kernels.grouped_attention import GROUP, grouped_attention
 from kestrel_backend.kernels.prefill_attention import prefill_attention
 
@@ -174,10 +172,6 @@ def launch_everything(capability: int) -> None:
             mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), kinds[-1], valid=torch.ones(1, dtype=torch.int32))
         if capability >= 89:
             mk.widened(fp8_experts.fc2, fp8_experts.fc2_scale, torch.bfloat16)
-            if f["dtype"] == torch.bfloat16:  # (KESTREL_VISION_FP8's activations: the encoder's widths)
-                vd, vf = VisionConfig().enc_dim, VisionConfig().enc_ff_dim
-                quantize_rows(torch.zeros(8, vd, **f))
-                quantize_rows(torch.zeros(8, vf, **f), torch.zeros(vf, **f), gelu=True)
         pairs = 1024 * moe.n_experts_per_tok  # (the grouped GEMM path of long prefills: the kernels of our own)
         mk.route_and_group(torch.zeros(1024, moe.n_experts, **f), moe.n_experts_per_tok, f["dtype"])
         mk.gated_gelu(torch.zeros(pairs, 2 * moe.expert_inner_dim, **f))
@@ -222,7 +216,7 @@ def compile_for(capability: int, recorded: dict) -> tuple[list[str], int, dict]:
 def main() -> int:
     """The architectures in parallel, a process each while CPUs last (a cold compile of one takes minutes)."""
     record = "--record" in sys.argv[1:]
-    recorded = json.loads(RECORD.read_text())["shared_memory"] if RECORD.exists() else {}
+    recorded = {} if record or not RECORD.exists() else json.loads(RECORD.read_text())["shared_memory"]
     caps = sorted(ARCHITECTURES, key=lambda c: c != FULL_CAPABILITY)
     failed, compiled = 0, {}
     workers = min(len(caps), os.cpu_count() or 1)

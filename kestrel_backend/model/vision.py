@@ -54,22 +54,9 @@ def embed_patches(crops: torch.Tensor, w: VisionWeights, config: VisionConfig) -
 
 def _attend_heads(x: torch.Tensor, qkv, n_heads: int) -> torch.Tensor:
     """Multi-head self-attention before the output projection: [B, N, D] -> [B, N, D]."""
-    return _attend(linear(x, qkv), n_heads)
-
-
-def _attend(qkv: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[B, N, 3D] q, k, v -> the heads' attention [B, N, D]."""
-    b, n, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
-    q, k, v = (t.view(b, n, n_heads, d // n_heads).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    b, n, d = x.shape
+    q, k, v = (t.view(b, n, n_heads, d // n_heads).transpose(1, 2) for t in linear(x, qkv).chunk(3, dim=-1))
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
-
-
-def quantize_encoder(w: VisionWeights) -> None:
-    """The encoder blocks' linear layers in FP8 too (KESTREL_VISION_FP8, GPUs with FP8 tensor cores): each weight
-    per output channel; the bf16 weights stay (the projection, and the CPU path, use them)."""
-    from ..kernels.fp8_linear import Fp8Weight
-
-    w.fp8 = [tuple(Fp8Weight.of(lin.weight) for lin in (b.qkv, b.proj, b.mlp.fc1, b.mlp.fc2)) for b in w.blocks]
 
 
 def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig,
@@ -92,24 +79,15 @@ def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig,
                         out: torch.Tensor | None = None, early: dict | None = None) -> torch.Tensor:
     """The same blocks with the residual adds done by the output GEMMs (in place, beta = 1). Their biases
     are left out of the stream and added back by the next norm: w.bias_sums[i] sums all biases before it."""
-    from ..kernels.fp8_linear import fp8_linear
     from ..kernels.layer_norm_cuda import shifted_layer_norm
 
     b, n, d = x.shape
     x = x.view(b * n, d)
     for i, block in enumerate(w.blocks):
         h = shifted_layer_norm(x, w.bias_sums[2 * i], block.ln1.weight, block.ln1.bias)
-        if w.fp8 is not None:  # (the same block with its four matmuls in FP8, per-row activation scales)
-            qkv8, proj8, fc1_8, fc2_8 = w.fp8[i]  # (a layer's bias is added where its output is next quantised)
-            attn = _attend(fp8_linear(h, qkv8).add_(block.qkv.bias).view(b, n, 3 * d), config.enc_n_heads)
-            x.add_(fp8_linear(attn.view(b * n, d), proj8))
-            h = shifted_layer_norm(x, w.bias_sums[2 * i + 1], block.ln2.weight, block.ln2.bias)
-            x.add_(fp8_linear(fp8_linear(h, fc1_8), fc2_8, bias=block.mlp.fc1.bias, gelu=True))
-        else:
-            x.addmm_(_attend_heads(h.view(b, n, d), block.qkv, config.enc_n_heads).view(b * n, d),
-                     block.proj.weight.t())
-            h = shifted_layer_norm(x, w.bias_sums[2 * i + 1], block.ln2.weight, block.ln2.bias)
-            x.addmm_(mlp_hidden(h, block.mlp), block.mlp.fc2.weight.t())
+        x.addmm_(_attend_heads(h.view(b, n, d), block.qkv, config.enc_n_heads).view(b * n, d), block.proj.weight.t())
+        h = shifted_layer_norm(x, w.bias_sums[2 * i + 1], block.ln2.weight, block.ln2.bias)
+        x.addmm_(mlp_hidden(h, block.mlp), block.mlp.fc2.weight.t())
         if early is not None and i in early:  # (a copy, with the biases the stream leaves out)
             early[i] = (x.float() + w.bias_sums[2 * i + 2]).to(x.dtype).view(b, n, d)
     return shifted_layer_norm(x, w.bias_sums[-1], w.post_ln.weight, w.post_ln.bias,

@@ -70,7 +70,6 @@ class VisionWeights:
     post_ln: LayerNorm
     proj_mlp: MLP
     bias_sums: torch.Tensor  # float32 [2 * layers + 1, dim]: row i sums the first i residual biases (proj, fc2, ...)
-    fp8: list | None = None  # per block (qkv, proj, fc1, fc2) as kernels.fp8_linear.Fp8Weight: KESTREL_VISION_FP8
 
 
 @dataclass
