@@ -222,3 +222,31 @@ def test_a_client_that_disconnects_cancels_its_request(gateway, triton_server, p
     text = idle_metrics(triton_server)
     assert metric_sum(text, "kestrel_engine_state", state="kv_pages_used") == 0
     assert metric_sum(text, "kestrel_requests_total", outcome="cancelled") == before + 1
+
+
+def test_requests_waiting_for_a_ready_replica_share_one_round_of_probes():
+    """With no replica ready (a rolling restart's worst moment), the requests waiting for one ask each replica once a
+    round between them, not once each, and all go on to the replica that turns ready."""
+    import asyncio
+
+    from kestrel_backend.gateway.upstream import Replica, Upstream
+
+    class Readiness:  # (a replica's model-ready answers: no for three probes, then yes)
+        asked = 0
+
+        async def is_model_ready(self, model):
+            self.asked += 1
+            await asyncio.sleep(0.05)
+            return self.asked > 3
+
+    async def wait_together():
+        upstream = Upstream("moondream")
+        clients = [Readiness(), Readiness()]
+        for i, client in enumerate(clients):
+            upstream.replicas[f"10.0.0.{i}:8001"] = Replica(f"10.0.0.{i}:8001", client)
+        chosen = await asyncio.gather(*[upstream._choices_when_ready(None) for _ in range(20)])
+        return clients, chosen
+
+    clients, chosen = asyncio.run(wait_together())
+    assert all(len(replicas) == 2 for replicas in chosen)
+    assert all(client.asked <= 5 for client in clients), [client.asked for client in clients]

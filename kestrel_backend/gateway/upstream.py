@@ -81,6 +81,7 @@ class Upstream:
     refresh_s: float = 2.0
     replicas: dict[str, Replica] = field(default_factory=dict)
     on_outcome: Callable[[str, str], None] = lambda url, outcome: None  # (replica, served|refused|unreachable|failed)
+    _probing: asyncio.Future | None = field(default=None, init=False, repr=False)  # (see _probe_unready)
 
     async def start(self) -> None:
         await self.refresh()
@@ -137,9 +138,16 @@ class Upstream:
         choices, deadline = self.choices(key), time.monotonic() + READY_WAIT_S
         while not choices and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-            await asyncio.gather(*[self._probe(r) for r in list(self.replicas.values()) if not r.ready])
+            await self._probe_unready()
             choices = self.choices(key)
         return choices
+
+    async def _probe_unready(self) -> None:
+        """Ask the replicas that are not ready again: one round at a time, which every waiting request joins (a
+        cancelled request leaves it running for the others)."""
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.gather(*[self._probe(r) for r in list(self.replicas.values()) if not r.ready])
+        await asyncio.shield(self._probing)
 
     @property
     def ready(self) -> bool:
