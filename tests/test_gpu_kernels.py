@@ -409,7 +409,7 @@ def test_mixed_steps_through_the_prefill_graphs_answer_as_separate_steps(tiny_di
     graphs.run = lambda x, slices: steps.append([(s.end - s.start, s.first_pos) for s in slices]) or run(x, slices)
 
     def burst(mixed: bool):
-        # (between bursts: nothing running; separate steps from the torch path, which the graphs equal: see below)
+        # (between bursts: nothing running; separate steps from the torch path, which the graphs equal: see above)
         eng.scheduler.prefill_graphs, eng.scheduler.mixed_steps = graphs if mixed else None, mixed
 
         async def three():
