@@ -204,6 +204,14 @@ def test_bad_messages_are_refused_naming_the_problem(raw, message):
         parse_request(lambda name: np.array([inputs[name]], dtype=np.object_) if name in inputs else None)
 
 
+def test_an_empty_image_among_several_is_refused_not_dropped():
+    """Messages name IMAGE's elements by position: an empty one among several would shift the rest."""
+    inputs = {"SKILL": np.array([b"chat"], dtype=np.object_), "IMAGE": np.array([b"", b"\x89PNG..."], dtype=np.object_),
+              "MESSAGES": np.array([b'[{"role": "user", "content": [{"type": "image", "index": 1}]}]'], dtype=np.object_)}
+    with pytest.raises(InvalidRequest, match=r"IMAGE\[0\] is empty"):
+        parse_request(inputs.get)
+
+
 def test_a_conversation_longer_than_the_context_is_refused_naming_the_positions(engine, jpeg):
     long = [{"role": "user", "content": "word " * 3000}]
     three_images = [{"role": "user", "content": [{"type": "image", "index": 0}] * 2 + [{"type": "text", "text": "?"}]},

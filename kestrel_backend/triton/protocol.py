@@ -63,7 +63,10 @@ def _images(arr: np.ndarray | None) -> list[bytes]:
         return []
     values = _bytes_tensor("IMAGE", arr).reshape(-1)
     names = [f"IMAGE[{i}]" for i in range(len(values))] if len(values) > 1 else ["IMAGE"]
-    return [image_bytes(_element_bytes(name, value), name) for name, value in zip(names, values)]
+    images = [image_bytes(_element_bytes(name, value), name) for name, value in zip(names, values)]
+    if len(images) > 1 and not all(images):  # (messages name images by position: none may drop out)
+        raise InvalidRequest(f"{names[images.index(b'')]} is empty")
+    return images
 
 
 def _text(name: str, arr: np.ndarray | None) -> str | None:
