@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .config import RuntimeConfig
 from .errors import EngineDraining, EngineError, EngineOverloaded, InvalidRequest, RequestCancelled
 from .images import ImageLimits, decode_image
+from .model.hub import MODELS
 from .model.moondream import Moondream
 from .model.seg_refiner import RefinerHead
 from .model.tokenizer import IncrementalDetokenizer
@@ -270,6 +271,24 @@ class InferenceEngine:
         return Settings.from_dict(settings, max_tokens_limit=self.max_context,
                                   max_objects_limit=self.config.max_objects, **defaults)
 
+    def _adapter_id(self, name: str) -> str:
+        """An adapter's id from SETTINGS' name of it: the id alone, or after a model's name and a slash (as the
+        official fine-tuning client names finetunes: moondream3-preview/<finetune_id>@<step>), which must be a name
+        of the served model."""
+        model, _, adapter_id = name.rpartition("/")
+        if model and model not in self.model_names:
+            raise InvalidRequest(f"SETTINGS: adapter {name!r} is for model {model!r}; this server serves "
+                                 f"{' or '.join(self.model_names)}")
+        return adapter_id
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names the served model answers to: KESTREL_MODEL's when it names a published model, else its family's
+        published names."""
+        if self.config.model in MODELS:
+            return (self.config.model,)
+        return tuple(n for n in MODELS if n.startswith("moondream3") == self.model.config.is_moondream3)
+
     @staticmethod
     def _need_image(image) -> bytes:
         if not image:
@@ -375,9 +394,7 @@ class InferenceEngine:
             if self.kv.pages_for(capacity) > self.kv.num_pages:
                 raise InvalidRequest(f"request needs {self.kv.pages_for(capacity)} KV pages, the cache has {self.kv.num_pages}")
             if settings.adapter is not None:
-                if self.model.config.is_moondream3:
-                    raise InvalidRequest(f"adapters are served for Moondream 2 only; the loaded model is {self.model.name}")
-                adapter = await self.adapters.acquire(settings.adapter)
+                adapter = await self.adapters.acquire(self._adapter_id(settings.adapter))
             detok = IncrementalDetokenizer(self.model.tokenizer) if stream_text(skill, delivery.stream) else None
             seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, cropped=cropped,
                            held_embedding=held, capacity=capacity, detok=detok, adapter=adapter,

@@ -522,13 +522,14 @@ def test_norm_linear_attention_matches_the_two_kernels(lens, splits, block_n, fc
     (1, None, True, "md2-tiny"), (3, None, True, "md2-tiny"), (1, None, False, "md3-tiny"), (3, None, False, "md3-tiny"),
     (2, None, False, "md3-tiny"), (1, None, False, "md2-tiny-4bit"), (3, None, False, "md2-tiny-4bit"),
     (3, "grouped", False, "md2-tiny"), (3, "grouped", False, "md3-tiny"), (1, None, False, "192-wide"),
-    (2, None, False, "192-wide")])
+    (2, None, False, "192-wide"), (3, None, True, "md3-tiny")])
 def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n_seqs, splits, adapters, fixture,
                                                          full_size_tiles):
     """The whole GPU decode step (fused kernels, as the CUDA graphs replay it) against the engine's torch step,
     after a torch prefill of sequences of different lengths. The LM head is cut to 512 tokens: the interpreter runs
     every program in Python. With adapters: rows of adapters r8, none and r4's MLP part alone (from a LoraPool of
-    rank 16 slots, in the slot that r4 had) against the torch step's per-row deltas. md3-tiny: Moondream 3's layers
+    rank 16 slots, in the slot that r4 had) against the torch step's per-row deltas; on md3-tiny rows of its adapters
+    r8 (dense layer and experts), none and experts-only, from an ExpertLoraPool. md3-tiny: Moondream 3's layers
     (tau from each row's position, for one or two rows in one kernel; the expert kernels). md2-tiny-4bit: its text
     weights kept 4-bit, as on a GPU (the W4A16 kernels). 192-wide: random weights of a text model whose width is not a
     power of two (3 heads of 64)."""
@@ -583,7 +584,16 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
     step = TorchPagedAttention(torch_cache)
     step.plan([SeqSlice(i, i, i + 1, int(p), 0, p.reshape(1)) for i, p in enumerate(positions)])
     lora, rows = None, None
-    if adapters:
+    if adapters and fixture == "md3-tiny":
+        from kestrel_backend.model.lora import LoraRows
+        from kestrel_backend.runtime.expert_lora_pool import ExpertLoraPool
+
+        pool = ExpertLoraPool(cfg, 3, 32, "cpu", torch.float32)
+        r8, experts = [pool.place(md3_adapter(tiny_dir, name, cfg)) for name in ("r8", "experts")]
+        per_row = [r8, None, experts][:n_seqs]
+        rows = (pool, torch.tensor([a.slot if a else 0 for a in per_row], dtype=torch.int32))
+        lora = LoraRows.of(per_row, [1] * n_seqs)
+    elif adapters:
         from kestrel_backend.model.lora import LoraRows, build_adapter, read_adapter_tensors
         from kestrel_backend.runtime.lora_pool import LoraPool
 
@@ -629,6 +639,50 @@ def test_fused_decode_step_matches_the_torch_decode_step(tiny_model, tiny_dir, n
     assert rel_err(hidden, hidden_ref) < 1e-5 and rel_err(logits[kept], logits_ref[kept]) < 1e-5
     assert torch.equal(logits.argmax(-1), logits_ref.argmax(-1))
     assert rel_err(cache.k, torch_cache.k) < 1e-6 and rel_err(cache.v, torch_cache.v) < 1e-6  # the new rows
+
+
+def md3_adapter(tiny_dir, name: str, cfg):
+    """md3-tiny's adapter `name` (a Kestrel checkpoint), float32 on the CPU."""
+    from kestrel_backend.model.lora import build_adapter, read_adapter_tensors
+
+    path = tiny_dir.parent / "md3-tiny" / "adapters" / name / "final.pt"
+    return build_adapter(name, read_adapter_tensors([path]), cfg, 32, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("tokens, path", [(1, "gemv"), (5, "tiles"), (40, "tiles"), (600, "grouped")])
+def test_expert_kernels_add_each_rows_adapter(tiny_dir, tokens, path, monkeypatch):
+    """Moondream 3's experts with adapters (moe_lora): rows of md3-tiny's adapter r8, of none and of its experts-only
+    adapter in one call, on each path (one token's FP8 GEMVs, the expert tiles, the grouped GEMM's), against the
+    per-expert loop with each row's deltas (text.moe_mlp, the form the golden cases check)."""
+    from benchmarks.kestrel_checkpoint import fp8_experts
+    from kestrel_backend.kernels import moe_kernels as mk
+    from kestrel_backend.model.lora import LoraRows
+    from kestrel_backend.model.moondream import Moondream
+    from kestrel_backend.model.text import moe_mlp
+    from kestrel_backend.runtime.expert_lora_pool import ExpertLoraPool
+
+    model = Moondream.from_checkpoint(tiny_dir.parent / "md3-tiny", dtype=torch.float32)
+    cfg, moe = model.config.text, model.weights.text.blocks[1].moe
+    if path == "gemv":
+        monkeypatch.setattr(mk, "GEMV_TILES", (dict(BLOCK_N=16, BLOCK_K=32, num_warps=4),) * 2)
+        moe = fp8_experts(moe)
+    pool = ExpertLoraPool(cfg, 3, 32, "cpu", torch.float32)
+    r8, experts = [pool.place(md3_adapter(tiny_dir, name, cfg)) for name in ("r8", "experts")]
+    x = torch.randn(tokens, cfg.dim, generator=torch.Generator().manual_seed(11))
+    if tokens == 1:
+        spans = [(0, 1, r8)]
+    else:
+        third = tokens // 3
+        spans = [(0, third, r8), (2 * third, tokens, experts)]
+    lora = LoraRows(spans)
+    want = moe_mlp(x, moe, lora, 1)
+    assert rel_err(want, moe_mlp(x, moe)) > 1e-2  # (the adapters move the output)
+    kernels = pool.layer(1, lora.row_slots(tokens, "cpu"))
+    if path == "grouped":  # (called as moe_mlp_cuda calls it on bf16 CUDA tensors)
+        got = mk._moe_mlp_grouped(x, mk._routing(x, moe.router, moe.top_k), moe, lora=kernels)
+    else:
+        got = mk.moe_mlp_cuda(x, moe, lora=kernels)
+    assert rel_err(got, want) < 1e-5
 
 
 def test_gpu_vision_blocks_match_the_torch_blocks(tiny_model):
@@ -904,9 +958,9 @@ def test_grouped_gemm_path_matches_the_per_expert_loop(tokens, top_k, fp8):
     if fp8:
         moe = fp8_experts(moe)
     x = torch.randn(tokens, 96, generator=gen)
-    gates, order, starts = mk.route_and_group(mk.router_logits(x, moe.router.weight, moe.router.bias), top_k, x.dtype)
-    assert starts[5] == starts[6]
-    got = mk._moe_mlp_grouped(x, gates, order, starts, moe)
+    routing = mk._route_and_group(mk.router_logits(x, moe.router.weight, moe.router.bias), top_k, x.dtype)
+    assert routing.starts[5] == routing.starts[6]
+    got = mk._moe_mlp_grouped(x, routing, moe)
     assert rel_err(got, moe_mlp(x, moe)) < 1e-5
 
 
@@ -924,8 +978,7 @@ def test_experts_added_in_place_with_the_bias(tokens):
     if tokens < 100:
         mk.add_moe_mlp(out, x, moe, bias)
     else:  # (the grouped GEMM's path runs on bf16 CUDA tensors only: called as add_moe_mlp calls it there)
-        gates, order, starts = mk.route_experts(x, moe.router, moe.top_k)
-        assert mk._moe_mlp_grouped(x, gates, order, starts, moe, out, bias) is out
+        assert mk._moe_mlp_grouped(x, mk._routing(x, moe.router, moe.top_k), moe, out, bias) is out
     assert rel_err(out, want) < 1e-5
 
 

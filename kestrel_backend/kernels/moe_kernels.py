@@ -34,6 +34,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .moe_lora import SRC_MAPPED, SRC_PAIR, ExpertLora, pair_delta
+
 if TYPE_CHECKING:  # (the expert weights' holder: model/ imports this module, not the other way)
     from ..model.weights import MoE
 
@@ -59,9 +61,9 @@ def _gated_gelu(h, g):
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, x_stride, w1_ptr, s1_ptr, order_ptr, starts_ptr, act_ptr, K: tl.constexpr, I: tl.constexpr,
-                   TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr, SCALED: tl.constexpr):
+def _moe_up_kernel(x_ptr, x_stride, w1_ptr, s1_ptr, order_ptr, starts_ptr, act_ptr, delta_ptr, K: tl.constexpr,
+                   I: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr, DELTA: tl.constexpr):
     e, nb = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(starts_ptr + e), tl.load(starts_ptr + e + 1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,6 +88,11 @@ def _moe_up_kernel(x_ptr, x_stride, w1_ptr, s1_ptr, order_ptr, starts_ptr, act_p
         if SCALED:
             acc_h *= s_h[None, :]
             acc_g *= s_g[None, :]
+        if DELTA:  # (adapters' fc1 deltas [pairs, 2I], in pair order: moe_lora)
+            d = delta_ptr + pair[:, None].to(tl.int64) * (2 * I) + offs_n[None, :]
+            d_mask = r_mask[:, None] & n_mask[None, :]
+            acc_h += tl.load(d, mask=d_mask, other=0.0).to(tl.float32)
+            acc_g += tl.load(d + I, mask=d_mask, other=0.0).to(tl.float32)
         act = _gated_gelu(acc_h, acc_g)
         tl.store(act_ptr + rows[:, None].to(tl.int64) * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
@@ -137,8 +144,8 @@ def _top_k_ranked(logits_ptr, ids_ptr, gates_ptr, E: tl.constexpr, E_P2: tl.cons
 
 
 @triton.jit
-def _moe_gemv_up_kernel(x_ptr, w1_ptr, s1_ptr, ids_ptr, act_ptr, K: tl.constexpr, I: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_gemv_up_kernel(x_ptr, w1_ptr, s1_ptr, ids_ptr, act_ptr, delta_ptr, K: tl.constexpr, I: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DELTA: tl.constexpr):
     """_moe_up_kernel for one token's FP8 experts: a program a (slot of its top k, block of inner columns), products
     on the CUDA cores in float32 (no 16-row tile of which 15 rows are padding), each FP8 weight widened once."""
     j, nb = tl.program_id(0), tl.program_id(1)
@@ -154,6 +161,9 @@ def _moe_gemv_up_kernel(x_ptr, w1_ptr, s1_ptr, ids_ptr, act_ptr, K: tl.constexpr
         acc_g += tl.load(w_h + I * K + k0).to(tl.float32) * xs
     h = tl.sum(acc_h, 1) * tl.load(s1_ptr + e * (2 * I) + offs_n)
     g = tl.sum(acc_g, 1) * tl.load(s1_ptr + e * (2 * I) + I + offs_n)
+    if DELTA:
+        h += tl.load(delta_ptr + j * (2 * I) + offs_n).to(tl.float32)
+        g += tl.load(delta_ptr + j * (2 * I) + I + offs_n).to(tl.float32)
     act = _gated_gelu(h, g)
     tl.store(act_ptr + j * I + offs_n, act.to(act_ptr.dtype.element_ty))
 
@@ -395,19 +405,25 @@ def route_and_group(logits: torch.Tensor, top_k: int, dtype: torch.dtype, valid:
     by expert: pair indices (token * k + slot) in that order, and where each expert's run starts ([E + 1], the
     last is the pair count)). On the device, no sync. valid: a device int32 [1], the count of leading tokens to
     route (_valid_tokens; up to ONE_PROGRAM_PAIRS pairs: past that every token is routed)."""
+    r = _route_and_group(logits, top_k, dtype, valid)
+    return r.gates, r.order, r.starts
+
+
+def _route_and_group(logits: torch.Tensor, top_k: int, dtype: torch.dtype,
+                     valid: torch.Tensor | None = None) -> "_Routing":
     t, n_experts = logits.shape
     pairs = t * top_k
     r = _Routing.empty(t, n_experts, top_k, dtype, logits.device)
     if pairs <= ONE_PROGRAM_PAIRS:
         _route_kernel[(1,)](logits, t, *r, **_route_constants(t, n_experts, top_k), **_valid_args(valid), num_warps=4)
-        return r.gates, r.order, r.starts
+        return r
     counters = torch.zeros(2, n_experts, dtype=torch.int32, device=logits.device)  # (counts, fill)
     constants = _route_constants(ROUTE_BLOCK_T, n_experts, top_k)
     _top_k_count_kernel[(triton.cdiv(t, ROUTE_BLOCK_T),)](logits, t, r.ids, r.gates, counters[0], **constants,
                                                           num_warps=4)
     _place_kernel[(triton.cdiv(pairs, 1024),)](r.ids, counters[0], counters[1], r.starts, r.order, pairs, E=n_experts,
                                                BINS=constants["BINS"], BLOCK_P=1024, num_warps=4)
-    return r.gates, r.order, r.starts
+    return r
 
 
 class _Routing(NamedTuple):
@@ -441,11 +457,16 @@ def route_experts(x: torch.Tensor, router, top_k: int,
                   valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route_and_group(router_logits(x, ...), top_k, x.dtype, valid)'s result; up to ROUTER_KERNEL_TOKENS tokens in
     one launch (the router kernel's last program routes)."""
-    if not _router_kernel_takes(x) or x.shape[0] * top_k > ONE_PROGRAM_PAIRS:
-        return route_and_group(router_logits(x, router.weight, router.bias), top_k, x.dtype, valid)
-    r = _route_in_router_kernel(x, router, top_k, _Routing.empty(x.shape[0], router.weight.shape[0], top_k, x.dtype,
-                                                                x.device), valid=valid)
+    r = _routing(x, router, top_k, valid)
     return r.gates, r.order, r.starts
+
+
+def _routing(x: torch.Tensor, router, top_k: int, valid: torch.Tensor | None = None) -> "_Routing":
+    """route_experts' routing, with each pair's expert (ids)."""
+    if not _router_kernel_takes(x) or x.shape[0] * top_k > ONE_PROGRAM_PAIRS:
+        return _route_and_group(router_logits(x, router.weight, router.bias), top_k, x.dtype, valid)
+    return _route_in_router_kernel(x, router, top_k, _Routing.empty(x.shape[0], router.weight.shape[0], top_k,
+                                                                    x.dtype, x.device), valid=valid)
 
 
 def top_experts_of_one(x: torch.Tensor, router, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -618,12 +639,16 @@ def experts_for(moe: MoE, tokens: int) -> tuple:
     return moe.fc1, moe.fc1_scale, moe.fc2, moe.fc2_scale
 
 
-def _moe_mlp_grouped(x: torch.Tensor, gates: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
-                     moe: MoE, into: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The expert MLP with torch's grouped GEMM over the pairs in expert order (starts[e + 1]: where expert e's
-    rows end); with `into`, added to it with bias, in place."""
-    ends, top_k = starts[1:], moe.top_k
-    if _w8a8_takes(x, moe):
+def _moe_mlp_grouped(x: torch.Tensor, r: "_Routing", moe: MoE, into: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, lora: ExpertLora | None = None) -> torch.Tensor:
+    """The expert MLP with torch's grouped GEMM over the pairs in expert order (r.starts[e + 1]: where expert e's
+    rows end); with `into`, added to it with bias, in place. lora: the adapters' deltas onto fc1's output before the
+    gated GELU and onto fc2's before the routing weights (then in bf16, not W8A8: the activations' deltas need
+    them unquantised)."""
+    gates, order, ends, top_k = r.gates, r.order, r.starts[1:], moe.top_k
+    where = torch.empty_like(order)
+    where[order.long()] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    if lora is None and _w8a8_takes(x, moe):
         a, a_scale = gathered_fp8_rows(x, order, top_k)
         h = torch._scaled_grouped_mm(a, moe.fc1.transpose(1, 2), a_scale, moe.fc1_scale, offs=ends, out_dtype=x.dtype,
                                      use_fast_accum=W8A8_FAST_ACCUM)
@@ -634,9 +659,13 @@ def _moe_mlp_grouped(x: torch.Tensor, gates: torch.Tensor, order: torch.Tensor, 
         fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, x.shape[0])
         fc1, fc2 = widened(fc1, fc1_scale, x.dtype), widened(fc2, fc2_scale, x.dtype)
         h = torch._grouped_mm(x.index_select(0, order // top_k), fc1.transpose(1, 2), offs=ends)
-        y = torch._grouped_mm(gated_gelu(h), fc2.transpose(1, 2), offs=ends)
-    where = torch.empty_like(order)
-    where[order.long()] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+        if lora is not None:
+            pair_delta(x, lora.up_a, lora.up_bt, lora, h, order.numel(), top_k, r.ids, dst_rows=where)
+        act = gated_gelu(h)
+        y = torch._grouped_mm(act, fc2.transpose(1, 2), offs=ends)
+        if lora is not None:
+            pair_delta(act, lora.down_a, lora.down_bt, lora, y, order.numel(), top_k, r.ids, src_rows=where,
+                       src_of_pair=SRC_MAPPED, dst_rows=where)
     return combine_rows(y, where, gates, x.dtype, into, bias)
 
 
@@ -667,28 +696,28 @@ def add_moe_mlp(out: torch.Tensor, x: torch.Tensor, moe: MoE, bias: torch.Tensor
     if not _grouped_gemm_pays(x, x.shape[0] * moe.top_k):
         out.add_(moe_mlp_cuda(x, moe, valid=valid)).add_(bias)
         return
-    gates, order, starts = route_experts(x, moe.router, moe.top_k)
-    _moe_mlp_grouped(x, gates, order, starts, moe, out, bias)
+    _moe_mlp_grouped(x, _routing(x, moe.router, moe.top_k), moe, out, bias)
 
 
-def moe_mlp_cuda(x: torch.Tensor, moe: MoE, summed: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
+def moe_mlp_cuda(x: torch.Tensor, moe: MoE, summed: bool = True, valid: torch.Tensor | None = None,
+                 lora: ExpertLora | None = None) -> torch.Tensor:
     """[T, dim] -> [T, dim]: text.moe_mlp's result, computed as grouped work over the experts. summed=False: each
     token's top_k weighted expert rows instead, [T * top_k, dim] float32 (residual_norm sums them). valid: as
-    add_moe_mlp's."""
+    add_moe_mlp's. lora: each row's adapter's deltas of its experts (moe_lora)."""
     t, top_k = x.shape[0], moe.top_k
     fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, t)
     if _gemv_takes(t, fc1_scale is not None, x.shape[1], fc1.shape[1] // 2) and _router_kernel_takes(x):
-        out = _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, *top_experts_of_one(x, moe.router, top_k))
+        out = _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, *top_experts_of_one(x, moe.router, top_k), lora)
         return out.sum(0, keepdim=True).to(x.dtype) if summed else out
     grouped = summed and _grouped_gemm_pays(x, t * top_k)
-    gates, order, starts = route_experts(x, moe.router, top_k, None if grouped else valid)
+    r = _routing(x, moe.router, top_k, None if grouped else valid)
     if grouped:
-        return _moe_mlp_grouped(x, gates, order, starts, moe)
-    return _moe_mlp_routed(x, moe, gates, order, starts, summed)
+        return _moe_mlp_grouped(x, r, moe, lora=lora)
+    return _moe_mlp_routed(x, moe, r, summed, lora)
 
 
-def _moe_mlp_routed(x: torch.Tensor, moe: MoE, gates: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
-                    summed: bool = True) -> torch.Tensor:
+def _moe_mlp_routed(x: torch.Tensor, moe: MoE, r: "_Routing", summed: bool = True,
+                    lora: ExpertLora | None = None) -> torch.Tensor:
     """moe_mlp_cuda on the expert kernels, the tokens already routed."""
     t, d = x.shape
     top_k = moe.top_k
@@ -699,15 +728,24 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, gates: torch.Tensor, order: torch
     assert x.stride(1) == 1
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(pairs, d, device=x.device, dtype=torch.float32)
+    delta = None
+    if lora is not None:  # fc1's deltas in pair order, added in the up kernel before its GELU
+        delta = torch.empty(pairs, 2 * inner, device=x.device, dtype=torch.float32)
+        pair_delta(x, lora.up_a, lora.up_bt, lora, delta, pairs, top_k, r.ids, accumulate=False)
     up, down = _tiles(t, x.dtype, scaled)
     assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)
     _moe_up_kernel[(n_experts, triton.cdiv(inner, up["BLOCK_N"]))](
-        x, x.stride(0), fc1, fc1_scale if scaled else fc1, order, starts, act, K=d, I=inner, TOP_K=top_k,
-        PRECISION=precision, SCALED=scaled, **up)
+        x, x.stride(0), fc1, fc1_scale if scaled else fc1, r.order, r.starts, act, delta if delta is not None else act,
+        K=d, I=inner, TOP_K=top_k, PRECISION=precision, SCALED=scaled, DELTA=delta is not None, **up)
     _moe_down_kernel[(n_experts, triton.cdiv(d, down["BLOCK_N"]))](
-        act, fc2, fc2_scale if scaled else fc2, order, starts, gates.reshape(-1), out, N=d, I=inner,
+        act, fc2, fc2_scale if scaled else fc2, r.order, r.starts, r.gates.reshape(-1), out, N=d, I=inner,
         PRECISION=precision, SCALED=scaled, **down)
+    if lora is not None:  # fc2's deltas times the routing weight onto the pairs' rows (act's rows are in expert order)
+        where = torch.empty_like(r.order)
+        where[r.order.long()] = torch.arange(pairs, device=x.device, dtype=r.order.dtype)
+        pair_delta(act, lora.down_a, lora.down_bt, lora, out, pairs, top_k, r.ids, src_rows=where,
+                   src_of_pair=SRC_MAPPED, gates=r.gates.reshape(-1))
     return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
 
 
@@ -725,13 +763,22 @@ def _gemv_takes(tokens: int, scaled: bool, dim: int, inner: int) -> bool:
             and dim % up["BLOCK_K"] == 0 and dim % down["BLOCK_N"] == 0 and inner % down["BLOCK_K"] == 0)
 
 
-def _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, ids, gates) -> torch.Tensor:
+def _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, ids, gates, lora: ExpertLora | None = None) -> torch.Tensor:
     """One token's expert MLP over its FP8 experts (ids [k] best first, their weights: top_experts_of_one) -> [k,
-    dim] float32, each slot's row times its weight."""
+    dim] float32, each slot's row times its weight; lora: its adapter's deltas (moe_lora)."""
     inner, d, top_k = fc1.shape[1] // 2, fc1.shape[2], ids.numel()
     act = torch.empty(top_k, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(top_k, d, device=x.device, dtype=torch.float32)
+    delta = None
+    if lora is not None:
+        delta = torch.empty(top_k, 2 * inner, device=x.device, dtype=torch.float32)
+        pair_delta(x, lora.up_a, lora.up_bt, lora, delta, top_k, top_k, ids, accumulate=False)
     up, down = GEMV_TILES
-    _moe_gemv_up_kernel[(top_k, inner // up["BLOCK_N"])](x, fc1, fc1_scale, ids, act, K=d, I=inner, **up)
+    _moe_gemv_up_kernel[(top_k, inner // up["BLOCK_N"])](x, fc1, fc1_scale, ids, act,
+                                                         delta if delta is not None else act, K=d, I=inner,
+                                                         DELTA=delta is not None, **up)
     _moe_gemv_down_kernel[(top_k, d // down["BLOCK_N"])](act, fc2, fc2_scale, ids, gates, out, N=d, I=inner, **down)
+    if lora is not None:
+        pair_delta(act, lora.down_a, lora.down_bt, lora, out, top_k, top_k, ids, src_of_pair=SRC_PAIR,
+                   gates=gates.reshape(-1))
     return out

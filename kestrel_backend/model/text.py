@@ -82,23 +82,37 @@ def top_experts(logits: torch.Tensor, top_k: int, dtype: torch.dtype):
     return top_ids, torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(dtype)
 
 
-def moe_mlp(x: torch.Tensor, moe: MoE) -> torch.Tensor:
+def moe_mlp(x: torch.Tensor, moe: MoE, lora: LoraRows | None = None, layer: int = 0) -> torch.Tensor:
     """[T, dim] -> [T, dim]: each token through its top-k experts, weighted by the softmax of their router
-    logits. Experts run one after another over the tokens routed to them (on a GPU: grouped kernels, no sync)."""
+    logits. Experts run one after another over the tokens routed to them (on a GPU: grouped kernels, no sync).
+    lora: the rows whose adapter adds its deltas of this layer's experts (before the GELU and before the weight)."""
     if x.is_cuda:
         from ..kernels.moe_kernels import moe_mlp_cuda
 
-        return moe_mlp_cuda(x, moe)
+        return moe_mlp_cuda(x, moe, lora=expert_lora(lora, layer, x))
     top_ids, weights = route_tokens(x, moe.router.weight, moe.router.bias, moe.top_k)
     out = torch.zeros_like(x)
     inner = moe.fc2.shape[-1]
     for expert in torch.unique(top_ids).tolist():
         rows, slot = (top_ids == expert).nonzero(as_tuple=True)
         fc1, fc2 = moe.expert(expert, x.dtype)
-        h, g = F.linear(x[rows], fc1).split(inner, dim=-1)
-        y = F.linear(F.gelu(h) * (g + 1.0), fc2)
+        h = F.linear(x[rows], fc1)
+        if lora is not None:
+            lora.add_expert(h, x[rows], rows, layer, "experts_up", expert)
+        h, g = h.split(inner, dim=-1)
+        a = F.gelu(h) * (g + 1.0)
+        y = F.linear(a, fc2)
+        if lora is not None:
+            lora.add_expert(y, a, rows, layer, "experts_down", expert)
         out.index_add_(0, rows, y * weights[rows, slot, None])
     return out
+
+
+def expert_lora(lora: LoraRows | None, layer: int, x: torch.Tensor):
+    """The GPU kernels' view of the rows' adapters in this layer (moe_lora.ExpertLora), or None."""
+    if lora is None or lora.pool is None:
+        return None
+    return lora.pool.layer(layer, lora.row_slots(x.shape[0], x.device))
 
 
 def split_qkv_with_rope(qkv: torch.Tensor, cos, sin, config: TextConfig):
@@ -137,9 +151,9 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
             qkv = apply_tau(qkv, positions, block.tau, config)
         q, k, v = split_qkv_with_rope(qkv, cos, sin, config)
         out = attention(i, q, k, v).reshape(n, -1)
-        if block.moe is not None and lora is not None:
-            raise ValueError("LoRA adapters are for Moondream 2's dense MLPs; this model's MLPs are experts")
-        if lora is not None:
+        if lora is not None and block.moe is not None:
+            x = x + lora.add(linear(out, block.proj), h, i, "proj") + moe_mlp(h, block.moe, lora, i)
+        elif lora is not None:
             attn_out, mlp_out = _block_outputs_with_lora(h, out, block, lora, i)
             x = x + attn_out + mlp_out
         elif x.is_cuda:  # residual adds folded into the output GEMMs (beta = 1) and the experts' sum: fewer kernels

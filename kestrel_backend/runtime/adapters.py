@@ -25,6 +25,7 @@ import torch
 from ..errors import EngineOverloaded, InvalidRequest
 from ..model.config import TextConfig
 from ..model.lora import AdapterError, LoraAdapter, build_adapter, read_adapter_tensors
+from .expert_lora_pool import ExpertLoraPool
 from .lora_pool import LoraPool
 
 log = logging.getLogger("kestrel.adapters")
@@ -85,13 +86,16 @@ class AdapterRegistry:
         self._pins: dict[str, int] = {}
         self._loading: dict[str, asyncio.Future] = {}
         self.loads = 0
-        self.pool: LoraPool | None = None  # on a GPU, made by ensure_pool (at start, or at the first adapter)
+        self.pool: LoraPool | ExpertLoraPool | None = None  # on a GPU, made by ensure_pool (at start, or at the
+        # first adapter): Moondream 3's also holds the experts' LoRA
 
-    def ensure_pool(self) -> LoraPool | None:
+    def ensure_pool(self) -> LoraPool | ExpertLoraPool | None:
         if self.pool is None and torch.device(self.device).type == "cuda":
-            self.pool = LoraPool(self.config, self.max_loaded, self.max_rank, self.device, self.dtype)
-            log.info("adapter pool: %d slots of rank up to %d, %.1f MB each", self.max_loaded, self.pool.rank_cap,
-                     self.pool.nbytes_per_slot / 1e6)
+            kind = ExpertLoraPool if self.config.moe is not None else LoraPool
+            self.pool = kind(self.config, self.max_loaded, self.max_rank, self.device, self.dtype)
+            log.info("adapter pool: %d slots of rank up to %d, %.1f MB each (%.2f GB in all)", self.max_loaded,
+                     self.max_rank, self.pool.nbytes_per_slot / 1e6,
+                     self.pool.nbytes_per_slot * (self.max_loaded + 1) / 1e9)
         return self.pool
 
     @property
@@ -142,8 +146,9 @@ class AdapterRegistry:
         if pool is not None:
             adapter = pool.place(adapter)
         self._loaded[adapter.name] = adapter
-        log.info("loaded adapter %s: rank %d, %.1f MB, on %s%s", adapter.name, adapter.rank, adapter.nbytes / 1e6,
-                 self.device, f" (slot {adapter.slot})" if pool is not None else "")
+        experts = f", experts' rank {adapter.expert_rank}" if adapter.expert_rank else ""
+        log.info("loaded adapter %s: rank %d%s, %.1f MB, on %s%s", adapter.name, adapter.rank, experts,
+                 adapter.nbytes / 1e6, self.device, f" (slot {adapter.slot})" if pool is not None else "")
 
     def _find(self, adapter_id: str) -> list[Path]:
         for folder in self.folders:

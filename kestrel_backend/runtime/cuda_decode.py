@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..kernels.decode_kernels import (FED_BACK, GEMV_MAX_ROWS, banned_greedy, embed_rows, gpu_paths, greedy_tokens,
                                       linear2_residual, norm_linear, norm_linear_attention, one_kernel_counters,
@@ -21,6 +22,7 @@ from ..kernels.decode_kernels import (FED_BACK, GEMV_MAX_ROWS, banned_greedy, em
 from ..kernels.grouped_attention import GROUP, group_rows, grouped_attention
 from ..kernels.lora_kernels import lora_expand_in, lora_expand_out, lora_shrink, segments
 from ..kernels.moe_kernels import moe_mlp_cuda
+from ..kernels.moe_lora import ExpertLora, pair_delta
 from ..kernels.packed import PackedWeight
 from ..kernels.residual_kernels import residual_norm
 from ..kernels.tau_cuda import tau_rows
@@ -56,7 +58,8 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     reads the pages that rows share once for all of them (grouped_attention; inputs.groups), not once a row.
 
     lora: (LoraPool, the step's rows in segments of one adapter: StepInputs.segments): each row adds its
-    adapter's deltas (lora_kernels); qkv and fc1 then come from cuBLAS, whatever the row count. On a GPU two of the
+    adapter's deltas (lora_kernels); qkv and fc1 then come from cuBLAS, whatever the row count. Moondream 3's:
+    (ExpertLoraPool, each row's slot: StepInputs.row_slots), its dense and expert MLPs' deltas (moe_lora). On a GPU two of the
     three adapter kernels run on a side stream beside the base work: the shrink beside qkv and fc1's matmuls, proj's
     and fc2's deltas onto the residual beside the attention.
 
@@ -69,7 +72,7 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
         not cfg.tau_attn and not packed  # (Moondream 3's layers: _moondream3_layer)
     sync, best = _step_counters(len(w.blocks), cfg.n_heads, x.shape[0], one_kernel, gemv and greedy_out is not None,
                                 x.device)
-    if lora is not None:  # every layer's shrunk values, summed atomically: zeroed once for the step
+    if lora is not None and not cfg.tau_attn:  # every layer's shrunk values, summed atomically: zeroed once
         pool, segs = lora
         shrunk = torch.zeros(len(w.blocks), x.shape[0], 4 * pool.rank_cap, device=x.device, dtype=torch.float32)
         side = _side_stream(x.device) if x.is_cuda else None
@@ -80,7 +83,8 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
         if block.tau is not None:  # Moondream 3's layers
             h = layer_norm(x, block.ln) if h is None else h
             x, h = _moondream3_layer(x, h, block, None if last else w.blocks[i + 1].ln, cfg, cache, i, inputs,
-                                     positions, context_splits, hidden_out if last else None, grouped, gemv)
+                                     positions, context_splits, hidden_out if last else None, grouped, gemv,
+                                     lora[0].layer(i, lora[1]) if lora is not None else None)
             continue
         if one_kernel:
             out, g = norm_linear_attention(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
@@ -159,7 +163,7 @@ def _tau(qkv: torch.Tensor, positions: torch.Tensor, tau, cfg, gemv: bool) -> to
 
 def _moondream3_layer(x: torch.Tensor, h: torch.Tensor, block, next_ln, cfg, cache: PagedKVCache, i: int,
                       inputs: "StepTensors", positions: torch.Tensor, context_splits: int | None,
-                      out: torch.Tensor | None, grouped: bool, gemv: bool):
+                      out: torch.Tensor | None, grouped: bool, gemv: bool, lora: ExpertLora | None = None):
     """One Moondream 3 layer of a decode step on its normed input h: cuBLAS for qkv and proj, tau from each row's
     position (positions: its length less one; with gemv, one or two rows, in one kernel), the paged attention
     kernel, the dense MLP or the grouped expert kernels, then the residual and the next layer's norm (next_ln; None
@@ -167,7 +171,7 @@ def _moondream3_layer(x: torch.Tensor, h: torch.Tensor, block, next_ln, cfg, cac
     The MLP (router, experts) runs on a side stream beside the attention's kernels: both read h alone, and
     neither fills the GPU by itself (H100, batch 1: 1.62 against 2.25 ms a step; 64 rows 7.53 against 8.29)."""
     side = _side_stream(x.device) if x.is_cuda else None
-    mlp_out, top_k = _fork(side, _moondream3_mlp, h, block)
+    mlp_out, top_k = _fork(side, _moondream3_mlp, h, block, lora)
     qkv = _tau(linear(h, block.qkv), positions, block.tau, cfg, gemv)
     attn = _decode_attention(qkv, cfg, cache, i, inputs, context_splits, grouped)
     proj = torch.addmm(block.proj.bias, attn, block.proj.weight.t())
@@ -191,11 +195,22 @@ def _decode_attention(qkv: torch.Tensor, cfg, cache: PagedKVCache, layer: int, i
                              inputs.sin)
 
 
-def _moondream3_mlp(h: torch.Tensor, block) -> tuple[torch.Tensor, int]:
-    """-> (the dense MLP's output, 0), or (each token's expert rows unsummed, top_k)."""
+def _moondream3_mlp(h: torch.Tensor, block, lora: ExpertLora | None = None) -> tuple[torch.Tensor, int]:
+    """-> (the dense MLP's output, 0), or (each token's expert rows unsummed, top_k); lora: with each row's
+    adapter's deltas."""
     if block.moe is None:
-        return mlp(h, block.mlp), 0
-    return moe_mlp_cuda(h, block.moe, summed=False), block.moe.top_k
+        return (mlp(h, block.mlp) if lora is None else _dense_mlp_with_lora(h, block.mlp, lora)), 0
+    return moe_mlp_cuda(h, block.moe, summed=False, lora=lora), block.moe.top_k
+
+
+def _dense_mlp_with_lora(h: torch.Tensor, w, lora: ExpertLora) -> torch.Tensor:
+    """A dense MLP (one expert to moe_lora) with its fc1 deltas before the GELU and fc2's from its activations."""
+    g = linear(h, w.fc1)
+    pair_delta(h, lora.up_a, lora.up_bt, lora, g, h.shape[0])
+    a = F.gelu(g, approximate="tanh")
+    out = linear(a, w.fc2)
+    pair_delta(a, lora.down_a, lora.down_bt, lora, out, a.shape[0])
+    return out
 
 
 def _step_counters(layers: int, heads: int, rows: int, one_kernel: bool, greedy: bool, device):
@@ -245,8 +260,8 @@ class StepInputs:
         half = self.rope.shape[1]
         # tables, lengths, slots, cos, sin, banned tokens, groups of rows sharing pages and their shared positions,
         # input tokens, and the rows in segments of one adapter: rows sorted by adapter, where each segment starts
-        # (then the end), its adapter's LoraPool slot
-        self._sizes = [n * max_pages, n, n, n * half, n * half, n * MAX_BANNED, n * GROUP, n, n, n, n + 1, n]
+        # (then the end), its adapter's LoraPool slot; then each row's slot (Moondream 3's pool reads that)
+        self._sizes = [n * max_pages, n, n, n * half, n * half, n * MAX_BANNED, n * GROUP, n, n, n, n + 1, n, n]
         cuda = torch.device(device).type == "cuda"  # (the CPU form is for the tests)
         # two pinned buffers: one step's may be filled while the GPU has yet to copy the other's
         self.host = [torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
@@ -277,8 +292,12 @@ class StepInputs:
 
     def segments(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Device views of a step of b rows' segments: rows by adapter, segment starts (b + 1), their slots."""
-        rows, starts, slots = self.device.split(self._sizes)[9:]
+        rows, starts, slots = self.device.split(self._sizes)[9:12]
         return rows[:b], starts[:b + 1], slots[:b]
+
+    def row_slots(self, b: int) -> torch.Tensor:
+        """Device view of a step of b rows' adapter slots, in row order."""
+        return self.device.split(self._sizes)[12][:b]
 
     def prepare(self, seq_ids: list[int], positions: list[int], bucket: int, grouped: bool = False) -> None:
         """Stage the rows of a step over these sequences at these positions; padding rows up to the
@@ -312,6 +331,7 @@ class StepInputs:
         if adapter_slots:
             rows, fields[10][:], fields[11][:] = segments(adapter_slots, self.n)
             fields[9][:len(rows)] = rows
+            fields[12][:len(adapter_slots)] = adapter_slots
         bans = fields[5].reshape(self.n, MAX_BANNED)
         for row, tokens_out in enumerate(banned):
             bans[row, :len(tokens_out)] = tokens_out
@@ -395,8 +415,12 @@ class CudaGraphDecoder:
             splits = MANY_ROWS_SPLITS if long_context else None
         fused_decode_step(self.model, x, self.cache, self.inputs.rows(b), self.logits[:b], splits,
                           self.greedy[parity, :b], self._greedy_host[parity].pinned[:b], self.hidden[:b],
-                          (self.adapters.pool, self.inputs.segments(b)) if lora else None,
+                          (self.adapters.pool, self._adapter_rows(b)) if lora else None,
                           grouped=self._grouped(b, long_context))
+
+    def _adapter_rows(self, b: int):
+        """How the adapters' kernels find a row's adapter: Moondream 3's by its slot, Moondream 2's by segments."""
+        return self.inputs.row_slots(b) if self.model.config.text.tau_attn else self.inputs.segments(b)
 
     def _graph(self, b: int, long_context: bool, parity: int, lora: bool = False) -> torch.cuda.CUDAGraph:
         # (the warm-up steps write to the scratch page)

@@ -13,8 +13,9 @@ DEFAULT_TOP_P = 0.9
 DEFAULT_MAX_TOKENS = 768
 DEFAULT_MAX_OBJECTS = 150
 KEYS = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "adapter", "variant")
-# Adapter ids name a folder or file: letters, digits and . _ - @ (Kestrel's "<finetune_id>@<step>"), no path.
-ADAPTER_ID = re.compile(r"[A-Za-z0-9_\-@][A-Za-z0-9_.\-@]{0,127}")
+# Adapter ids name a folder or file: letters, digits and . _ - @ (Kestrel's "<finetune_id>@<step>"), no path; they
+# may follow a model's name and a slash, as the official fine-tuning client names them (moondream3-preview/<id>@<n>)
+ADAPTER_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}/)?[A-Za-z0-9_\-@][A-Za-z0-9_.\-@]{0,127}")
 
 
 class SettingsError(InvalidRequest):
@@ -77,5 +78,5 @@ def _adapter(values) -> str | None:
         return None
     if not isinstance(v, str) or not ADAPTER_ID.fullmatch(v) or ".." in v:
         raise SettingsError(f"SETTINGS: {key} must be an adapter id (letters, digits, . _ - @; at most 128), "
-                            f"got {shown(v)}")
+                            f"alone or after a model's name and a slash, got {shown(v)}")
     return v

@@ -1,0 +1,104 @@
+"""LoRA deltas of Moondream 3's adapters on the GPU, rows of different adapters (and of none) in one launch, with no
+host sync (decode steps replay as CUDA graphs).
+
+The unit of work is a pair: a row of the forward and one expert it goes to (a dense MLP is one expert that every
+row takes). One program of `_pair_delta_kernel` takes one pair and one block of output columns: it reads the row's
+slot in the pool, shrinks the pair's input through the slot's A of that expert (rank-many dot products, on the CUDA
+cores: a pair's A is its own, so there is no tile to share) and expands through its B (stored transposed, rank-major,
+so the loads run along the output columns), then writes the delta or adds it in place, times the routing weight
+where the caller asks. Loads past a slot's own rank are masked off (a pool of rank R costs a rank-r adapter r's
+reads, slot 0 none). The shrunk values are rounded to the activations' type, as a bf16 matmul would.
+
+Where the delta must land inside a kernel (fc1's, before the expert kernels' gated GELU) it is written to a buffer
+in pair order that those kernels add (`moe_kernels`: `delta` of the up kernels); elsewhere it is added onto the
+output rows in place.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+class ExpertLora(NamedTuple):
+    """One layer's adapters as the kernels read them: A [slots, E, R, in] and B transposed [slots, E, R, out] of the
+    up (fc1) and down (fc2) projections, each slot's rank [slots] int32 (0 for slot 0), and each row's slot [T]."""
+    up_a: torch.Tensor
+    up_bt: torch.Tensor
+    down_a: torch.Tensor
+    down_bt: torch.Tensor
+    ranks: torch.Tensor
+    row_slots: torch.Tensor
+
+
+SRC_TOKEN, SRC_PAIR, SRC_MAPPED = 0, 1, 2  # a pair's input row: its token's (p // top_k), its own (p), rows[p]
+
+
+@triton.jit
+def _pair_delta_kernel(src_ptr, src_stride, src_rows_ptr, ids_ptr, row_slots_ptr, ranks_ptr, a_ptr, bt_ptr,
+                       dst_ptr, dst_stride, dst_rows_ptr, gates_ptr, TOP_K: tl.constexpr, E: tl.constexpr,
+                       K: tl.constexpr, N: tl.constexpr, R: tl.constexpr, SRC: tl.constexpr,
+                       DST_MAPPED: tl.constexpr, GATED: tl.constexpr, ACCUMULATE: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    p, nb = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(row_slots_ptr + p // TOP_K)
+    rank = tl.load(ranks_ptr + slot)
+    if E > 1:  # (clamped: the expert ids of rows a caller leaves unrouted are anything)
+        e = tl.minimum(tl.maximum(tl.load(ids_ptr + p), 0), E - 1)
+    else:
+        e = 0
+    if SRC == 0:
+        src_row = p // TOP_K
+    elif SRC == 1:
+        src_row = p
+    else:
+        src_row = tl.load(src_rows_ptr + p)
+    dst_row = tl.load(dst_rows_ptr + p) if DST_MAPPED else p
+    offs_r = tl.arange(0, R)
+    r_mask = offs_r < rank
+    base = slot.to(tl.int64) * E + e
+    u = tl.zeros((R,), dtype=tl.float32)
+    k_end = tl.where(rank > 0, K, 0)  # (a row without an adapter reads nothing)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        xs = tl.load(src_ptr + src_row.to(tl.int64) * src_stride + offs_k, mask=k_mask, other=0.0)
+        a = tl.load(a_ptr + base * (R * K) + offs_r[:, None] * K + offs_k[None, :],
+                    mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        u += tl.sum(a.to(tl.float32) * xs.to(tl.float32)[None, :], 1)
+    u = u.to(dst_ptr.dtype.element_ty).to(tl.float32)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    bt = tl.load(bt_ptr + base * (R * N) + offs_r[:, None] * N + offs_n[None, :],
+                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    delta = tl.sum(bt.to(tl.float32) * u[:, None], 0)
+    if GATED:
+        delta *= tl.load(gates_ptr + p).to(tl.float32)
+    dst = dst_ptr + dst_row.to(tl.int64) * dst_stride + offs_n
+    if ACCUMULATE:
+        delta += tl.load(dst, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(dst, delta.to(dst_ptr.dtype.element_ty), mask=n_mask)
+
+
+def pair_delta(src: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, lora: ExpertLora, dst: torch.Tensor,
+               pairs: int, top_k: int = 1, ids: torch.Tensor | None = None, src_rows: torch.Tensor | None = None,
+               src_of_pair: int = SRC_TOKEN, dst_rows: torch.Tensor | None = None, gates: torch.Tensor | None = None,
+               accumulate: bool = True) -> None:
+    """For each of `pairs` pairs p (row p // top_k, expert ids[p]; one expert without ids): the delta
+    `src[row] @ A^T @ B^T` of the row's adapter and that expert, times gates[p] if given, into dst's row p (or
+    dst_rows[p]), added (accumulate) or written. src's row: as src_of_pair says (SRC_MAPPED: src_rows[p])."""
+    if pairs == 0:
+        return
+    n_experts, rank_cap, k = a.shape[1], a.shape[2], a.shape[3]
+    n = bt.shape[3]
+    assert src.stride(-1) == 1 and dst.stride(-1) == 1 and src.shape[-1] == k and dst.shape[-1] == n
+    block_n = min(triton.next_power_of_2(n), 1024)
+    _pair_delta_kernel[(pairs, triton.cdiv(n, block_n))](
+        src, src.stride(0), src_rows if src_rows is not None else lora.row_slots, ids if ids is not None else a,
+        lora.row_slots, lora.ranks, a, bt, dst, dst.stride(0), dst_rows if dst_rows is not None else lora.row_slots,
+        gates if gates is not None else dst, TOP_K=top_k, E=n_experts, K=k, N=n, R=rank_cap, SRC=src_of_pair,
+        DST_MAPPED=dst_rows is not None, GATED=gates is not None, ACCUMULATE=accumulate,
+        BLOCK_K=min(triton.next_power_of_2(k), max(64, 2048 // rank_cap)), BLOCK_N=block_n, num_warps=4)
