@@ -12,9 +12,10 @@ A variant is named by Triton's own cache key (the kernel's source and what it ca
 the options, the architecture, Triton's version and its cache-invalidating settings): the key of every variant that
 compiled is kept in fixtures/compiled_kernels.json with its shared memory, as Triton's cache would keep the cubin. A
 variant whose key is there is not compiled again (Triton's compile is a function of that key); a changed kernel, or
-another Triton, has new keys and is compiled. `--record` compiles every variant, ignoring the file, and rewrites it.
+another Triton, has new keys and is compiled. `--record` compiles every variant, ignoring the file, and rewrites it;
+`--update` compiles the variants the file lacks and rewrites it with today's variants (after a kernel changed).
 
-    python tests/compile_kernels.py [--record]   -> one line per kernel variant; exit 1 on failure
+    python tests/compile_kernels.py [--record | --update]   -> one line per kernel variant; exit 1 on failure
 """
 
 import dataclasses
@@ -43,6 +44,7 @@ from kestrel_backend.kernels.tau_cuda import tau_inplace, tau_rows
 from kestrel_backend.kernels import decode_kernels as dk
 from kestrel_backend.kernels import lora_kernels as lk
 from kestrel_backend.kernels import moe_kernels as mk
+from kestrel_backend.kernels.moe_lora import ExpertLora, pair_delta
 from kestrel_backend.kernels import w4a16_kernels as w4
 from kestrel_backend.kernels.grouped_attention import GROUP, grouped_attention
 from kestrel_backend.kernels.prefill_attention import prefill_attention
@@ -168,6 +170,29 @@ def launch_everything(capability: int) -> None:
         for t in (1, 8, 64, 256):
             for experts in kinds:
                 mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), experts)
+        dims = {"up": (cfg.dim, 2 * moe.expert_inner_dim), "down": (moe.expert_inner_dim, cfg.dim)}
+        dense = {"up": (cfg.dim, cfg.ff_dim), "down": (cfg.ff_dim, cfg.dim)}
+
+        def adapters(t, shapes, n_experts, rank):  # (a Moondream 3 adapter pool's layer: ExpertLoraPool)
+            (ui, uo), (di, do) = shapes["up"], shapes["down"]
+            return ExpertLora(*(torch.zeros(2, n_experts, rank, n, **f) for n in (ui, uo, di, do)),
+                              torch.zeros(2, dtype=torch.int32), torch.zeros(t, dtype=torch.int32))
+
+        for t in (1, 8, 64):  # adapters' deltas: the expert kernels' paths, and a dense layer's (one expert)
+            expert_lora = adapters(t, dims, moe.n_experts, 4)
+            for experts in kinds:
+                mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), experts, summed=False, lora=expert_lora)
+            dense_lora = adapters(t, dense, 1, 32)
+            for (k, n), a, bt in ((dense["up"], dense_lora.up_a, dense_lora.up_bt),
+                                  (dense["down"], dense_lora.down_a, dense_lora.down_bt)):
+                pair_delta(torch.zeros(t, k, **f), a, bt, dense_lora, torch.zeros(t, n, **f), t)
+        pairs = 1024 * moe.n_experts_per_tok  # (the grouped GEMM's rows, in expert order)
+        expert_lora, order = adapters(1024, dims, moe.n_experts, 4), torch.zeros(pairs, dtype=torch.int32)
+        pair_delta(torch.zeros(1024, cfg.dim, **f), expert_lora.up_a, expert_lora.up_bt, expert_lora,
+                   torch.zeros(pairs, dims["up"][1], **f), pairs, moe.n_experts_per_tok, order, order, dst_by_pair=False)
+        pair_delta(torch.zeros(pairs, dims["down"][0], **f), expert_lora.down_a, expert_lora.down_bt, expert_lora,
+                   torch.zeros(pairs, cfg.dim, **f), pairs, moe.n_experts_per_tok, order, order, src_by_token=False,
+                   dst_by_pair=False)
         for t in (16, 64):  # (a prefill graph's: only its real rows routed)
             mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), kinds[-1], valid=torch.ones(1, dtype=torch.int32))
         if capability >= 89:
@@ -215,7 +240,7 @@ def compile_for(capability: int, recorded: dict) -> tuple[list[str], int, dict]:
 
 def main() -> int:
     """The architectures in parallel, a process each while CPUs last (a cold compile of one takes minutes)."""
-    record = "--record" in sys.argv[1:]
+    record, update = "--record" in sys.argv[1:], "--update" in sys.argv[1:]
     recorded = {} if record or not RECORD.exists() else json.loads(RECORD.read_text())["shared_memory"]
     caps = sorted(ARCHITECTURES, key=lambda c: c != FULL_CAPABILITY)
     failed, compiled = 0, {}
@@ -226,7 +251,7 @@ def main() -> int:
             failed, compiled = failed + failures, compiled | keys
     new = sorted(set(compiled) - set(recorded))
     print(f"{len(compiled)} variants: {len(compiled) - len(new)} recorded, {len(new)} compiled now", flush=True)
-    if record and not failed:
+    if (record or update) and not failed:
         RECORD.write_text(json.dumps({"about": "written by tests/compile_kernels.py --record: the Triton cache key of "
                                       "every kernel variant that compiled, and its shared memory a block",
                                       "triton": triton.__version__, "shared_memory": dict(sorted(compiled.items()))},

@@ -904,7 +904,9 @@ def test_other_checkpoints_serve_their_golden_answers(name, tiny_dir):
     folder = tiny_dir.parent / name
     cases = [c for c in json.loads((folder / "cases.json").read_text())["cases"]
              if c["kind"] in ("query", "caption", "point", "detect")]
-    eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32"))
+    adapters = folder / "adapters"  # (Moondream 3's adapter cases among them)
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32",
+                                               adapter_dir=str(adapters) if adapters.is_dir() else ""))
     try:
         async def together():
             return await asyncio.gather(*[parity.submit_case(eng, folder, c) for c in cases])
@@ -947,7 +949,9 @@ def test_adapter_errors_end_that_request_only(engine, tiny_dir, tmp_path):
     try:
         cases = [("nope", "adapter 'nope' not found"), ("corrupt", "cannot read final.pt"),
                  ("badshape", "'text.blocks.1.mlp.fc2.A' .* do not fit"), ("missing", "missing tensor 'text.blocks.1.mlp.fc2.A'"),
-                 ("as-safetensors", "rank 8 .* above the limit of 4"), ("../r8", "must be an adapter id")]
+                 ("as-safetensors", "rank 8 .* above the limit of 4"), ("../r8", "must be an adapter id"),
+                 ("moondream3-preview/r8", "'moondream3-preview/r8' is for model 'moondream3-preview'; this server "
+                                           "serves moondream2")]
         for adapter_id, message in cases:
             with pytest.raises(InvalidRequest, match=message):
                 asyncio.run(eng.query(image, "What?", settings={"adapter": adapter_id, "max_tokens": 3}))
@@ -955,6 +959,34 @@ def test_adapter_errors_end_that_request_only(engine, tiny_dir, tmp_path):
             asyncio.run(eng.query(image, "What?", settings={"adapter": "a", "variant": "b"}))
         assert asyncio.run(eng.query(image, "What?", settings={"max_tokens": 3, "temperature": 0})).output["answer"]
         assert eng.adapters.pinned == 0 and eng.adapters.loaded() == [] and eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
+def test_moondream3_adapters_by_the_fine_tuning_clients_names(tiny_dir):
+    """Moondream 3's adapters as the official fine-tuning client names them (moondream3-preview/<id>): the golden
+    answer, as by the id alone; a name for another model is refused for that request alone; and a Moondream 2
+    adapter on Moondream 3 is refused naming the tensors that do not fit."""
+    folder = tiny_dir.parent / "md3-tiny"
+    case = next(c for c in json.loads((folder / "cases.json").read_text())["cases"]
+                if c["name"] == "query_adapter_r8_small")
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32",
+                                               adapter_dir=str(folder / "adapters")))
+    image = (folder / case["image"]).read_bytes()
+    try:
+        async def ask(adapter):
+            return await eng.submit_tokens("query", image, case["question_ids"],
+                                           {"temperature": 0, "max_tokens": case["max_tokens"], "adapter": adapter})
+
+        for name in ("r8", "moondream3-preview/r8", "moondream3.1-9B-A2B/r8"):
+            assert parity.result_matches(eng, case, asyncio.run(ask(name))), name
+        with pytest.raises(InvalidRequest, match="'moondream2/r8' is for model 'moondream2'; this server serves "
+                                                 "moondream3-preview or moondream3.1-9B-A2B"):
+            asyncio.run(ask("moondream2/r8"))
+        eng.adapters.folders.insert(0, tiny_dir / "adapters")  # (md2-tiny's r4 ahead of md3-tiny's)
+        with pytest.raises(InvalidRequest, match="unexpected tensor 'text.blocks.1.attn.proj.A'"):  # (layer 1: experts)
+            asyncio.run(ask("r4"))
+        assert eng.adapters.pinned == 0 and eng.no_request_holds_pages()
     finally:
         eng.shutdown()
 
@@ -1140,8 +1172,8 @@ def test_ttft_counts_from_the_requests_arrival(engine, tiny_dir, monkeypatch):
 def test_moondream3_engine_streams_caches_prefixes_and_refuses_what_it_lacks(tiny_dir):
     """Moondream 3 in the engine: a streamed answer joins to the golden text, a second question on an image hits
     the prefix cache and still equals the golden answer (prefixes are prefilled ahead under a backlog by
-    default, unlike Moondream 2's), segment without a refiner answers the coarse outline,
-    adapters are a clear error for that request only; no KV page stays held."""
+    default, unlike Moondream 2's), segment without a refiner answers the coarse outline, an adapter that is not
+    there is a clear error for that request only; no KV page stays held."""
     folder = tiny_dir.parent / "md3-tiny"
     cases = {c["name"]: c for c in json.loads((folder / "cases.json").read_text())["cases"]}
     eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32"))
@@ -1163,7 +1195,7 @@ def test_moondream3_engine_streams_caches_prefixes_and_refuses_what_it_lacks(tin
         assert eng.stats()["prefix_hits"] == hits + 1
         segment = asyncio.run(eng.segment(image, "cat", settings={"max_tokens": 8})).output["segments"][0]
         assert segment["refined"] is False and len(segment["token_ids"]) <= 8
-        with pytest.raises(InvalidRequest, match="adapters are served for Moondream 2 only"):
+        with pytest.raises(InvalidRequest, match="adapter 'r8' not found"):
             asyncio.run(eng.query(image, "hi", settings={"adapter": "r8"}))
         assert eng.no_request_holds_pages()
     finally:

@@ -447,16 +447,18 @@ def test_http_generate_and_generate_stream_take_base64_images(triton_server, cli
 
 def test_moondream3_served_for_every_skill_equals_the_engine(tmp_path_factory, tiny_dir):
     """A second real tritonserver serving the tiny Moondream 3 (found from its config.json, no flag): every skill,
-    streamed and not, equals the in-process engine (segment with its refiner too)."""
+    streamed and not, equals the in-process engine (segment with its refiner too); so do its adapters (a LoRA of
+    every expert), named by id or as the official fine-tuning client names them (moondream3-preview/<id>)."""
     from conftest import TritonProcess
 
     folder = tiny_dir.parent / "md3-tiny"
     image = (folder / "images" / "medium.png").read_bytes()
     refiner = str(folder / "seg_refiner")
+    adapters = str(folder / "adapters")
     server = TritonProcess(tmp_path_factory.mktemp("triton-md3"), KESTREL_MODEL_PATH=str(folder),
-                           KESTREL_SEG_REFINER_PATH=refiner)
+                           KESTREL_SEG_REFINER_PATH=refiner, KESTREL_ADAPTER_DIR=adapters)
     eng = InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32",
-                                               seg_refiner_path=refiner))
+                                               seg_refiner_path=refiner, adapter_dir=adapters))
     try:
         client = MoondreamClient(server["grpc"], timeout=120)
         direct = lambda fn: asyncio.run(fn(eng)).output  # noqa: E731
@@ -477,6 +479,13 @@ def test_moondream3_served_for_every_skill_equals_the_engine(tmp_path_factory, t
         with pytest.raises(MoondreamError, match="OBJECT is required"):
             client.segment(image, " ")
         assert client.caption(image, "short", settings=GREEDY)["caption"]
+        tuned = {**GREEDY, "adapter": "r8"}
+        answer = direct(lambda e: e.query(image, "What is it?", settings=tuned))["answer"]
+        assert answer != direct(lambda e: e.query(image, "What is it?", settings=GREEDY))["answer"]
+        for name in ("r8", "moondream3-preview/r8"):
+            assert client.query("What is it?", image=image, settings={**GREEDY, "adapter": name})["answer"] == answer
+        assert client.detect(image, "dog", settings={"adapter": "experts"})["objects"] == \
+            direct(lambda e: e.detect(image, "dog", settings={"adapter": "experts"}))["objects"]
         _official_client_on_moondream3(tmp_path_factory, server, client, image, few)
     finally:
         eng.shutdown()

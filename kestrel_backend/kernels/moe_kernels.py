@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .moe_lora import SRC_MAPPED, SRC_PAIR, ExpertLora, pair_delta
+from .moe_lora import ExpertLora, pair_delta
 
 if TYPE_CHECKING:  # (the expert weights' holder: model/ imports this module, not the other way)
     from ..model.weights import MoE
@@ -659,13 +659,13 @@ def _moe_mlp_grouped(x: torch.Tensor, r: "_Routing", moe: MoE, into: torch.Tenso
         fc1, fc1_scale, fc2, fc2_scale = experts_for(moe, x.shape[0])
         fc1, fc2 = widened(fc1, fc1_scale, x.dtype), widened(fc2, fc2_scale, x.dtype)
         h = torch._grouped_mm(x.index_select(0, order // top_k), fc1.transpose(1, 2), offs=ends)
-        if lora is not None:
-            pair_delta(x, lora.up_a, lora.up_bt, lora, h, order.numel(), top_k, r.ids, dst_rows=where)
+        if lora is not None:  # (h's and y's rows are in expert order)
+            pair_delta(x, lora.up_a, lora.up_bt, lora, h, order.numel(), top_k, r.ids, order, dst_by_pair=False)
         act = gated_gelu(h)
         y = torch._grouped_mm(act, fc2.transpose(1, 2), offs=ends)
         if lora is not None:
-            pair_delta(act, lora.down_a, lora.down_bt, lora, y, order.numel(), top_k, r.ids, src_rows=where,
-                       src_of_pair=SRC_MAPPED, dst_rows=where)
+            pair_delta(act, lora.down_a, lora.down_bt, lora, y, order.numel(), top_k, r.ids, order,
+                       src_by_token=False, dst_by_pair=False)
     return combine_rows(y, where, gates, x.dtype, into, bias)
 
 
@@ -742,10 +742,8 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, r: "_Routing", summed: bool = Tru
         act, fc2, fc2_scale if scaled else fc2, r.order, r.starts, r.gates.reshape(-1), out, N=d, I=inner,
         PRECISION=precision, SCALED=scaled, **down)
     if lora is not None:  # fc2's deltas times the routing weight onto the pairs' rows (act's rows are in expert order)
-        where = torch.empty_like(r.order)
-        where[r.order.long()] = torch.arange(pairs, device=x.device, dtype=r.order.dtype)
-        pair_delta(act, lora.down_a, lora.down_bt, lora, out, pairs, top_k, r.ids, src_rows=where,
-                   src_of_pair=SRC_MAPPED, gates=r.gates.reshape(-1))
+        pair_delta(act, lora.down_a, lora.down_bt, lora, out, pairs, top_k, r.ids, r.order, src_by_token=False,
+                   gates=r.gates.reshape(-1))
     return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
 
 
@@ -779,6 +777,6 @@ def _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, ids, gates, lora: ExpertLora | 
                                                          DELTA=delta is not None, **up)
     _moe_gemv_down_kernel[(top_k, d // down["BLOCK_N"])](act, fc2, fc2_scale, ids, gates, out, N=d, I=inner, **down)
     if lora is not None:
-        pair_delta(act, lora.down_a, lora.down_bt, lora, out, top_k, top_k, ids, src_of_pair=SRC_PAIR,
+        pair_delta(act, lora.down_a, lora.down_bt, lora, out, top_k, top_k, ids, src_by_token=False,
                    gates=gates.reshape(-1))
     return out

@@ -38,25 +38,20 @@ SRC_TOKEN, SRC_PAIR, SRC_MAPPED = 0, 1, 2  # a pair's input row: its token's (p 
 
 
 @triton.jit
-def _pair_delta_kernel(src_ptr, src_stride, src_rows_ptr, ids_ptr, row_slots_ptr, ranks_ptr, a_ptr, bt_ptr,
-                       dst_ptr, dst_stride, dst_rows_ptr, gates_ptr, TOP_K: tl.constexpr, E: tl.constexpr,
-                       K: tl.constexpr, N: tl.constexpr, R: tl.constexpr, SRC: tl.constexpr,
-                       DST_MAPPED: tl.constexpr, GATED: tl.constexpr, ACCUMULATE: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    p, nb = tl.program_id(0), tl.program_id(1)
+def _pair_delta_kernel(src_ptr, src_stride, order_ptr, ids_ptr, row_slots_ptr, ranks_ptr, a_ptr, bt_ptr, dst_ptr,
+                       dst_stride, gates_ptr, TOP_K: tl.constexpr, E: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                       R: tl.constexpr, ORDERED: tl.constexpr, SRC_BY_TOKEN: tl.constexpr, DST_BY_PAIR: tl.constexpr,
+                       GATED: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    q, nb = tl.program_id(0), tl.program_id(1)
+    p = tl.load(order_ptr + q) if ORDERED else q  # the pair (token * TOP_K + slot) this program's row q holds
     slot = tl.load(row_slots_ptr + p // TOP_K)
     rank = tl.load(ranks_ptr + slot)
     if E > 1:  # (clamped: the expert ids of rows a caller leaves unrouted are anything)
         e = tl.minimum(tl.maximum(tl.load(ids_ptr + p), 0), E - 1)
     else:
         e = 0
-    if SRC == 0:
-        src_row = p // TOP_K
-    elif SRC == 1:
-        src_row = p
-    else:
-        src_row = tl.load(src_rows_ptr + p)
-    dst_row = tl.load(dst_rows_ptr + p) if DST_MAPPED else p
+    src_row = p // TOP_K if SRC_BY_TOKEN else q
+    dst_row = p if DST_BY_PAIR else q
     offs_r = tl.arange(0, R)
     r_mask = offs_r < rank
     base = slot.to(tl.int64) * E + e
@@ -84,21 +79,22 @@ def _pair_delta_kernel(src_ptr, src_stride, src_rows_ptr, ids_ptr, row_slots_ptr
 
 
 def pair_delta(src: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, lora: ExpertLora, dst: torch.Tensor,
-               pairs: int, top_k: int = 1, ids: torch.Tensor | None = None, src_rows: torch.Tensor | None = None,
-               src_of_pair: int = SRC_TOKEN, dst_rows: torch.Tensor | None = None, gates: torch.Tensor | None = None,
+               rows: int, top_k: int = 1, ids: torch.Tensor | None = None, order: torch.Tensor | None = None,
+               src_by_token: bool = True, dst_by_pair: bool = True, gates: torch.Tensor | None = None,
                accumulate: bool = True) -> None:
-    """For each of `pairs` pairs p (row p // top_k, expert ids[p]; one expert without ids): the delta
-    `src[row] @ A^T @ B^T` of the row's adapter and that expert, times gates[p] if given, into dst's row p (or
-    dst_rows[p]), added (accumulate) or written. src's row: as src_of_pair says (SRC_MAPPED: src_rows[p])."""
-    if pairs == 0:
+    """For each of `rows` rows q, holding pair p = order[q] (or q without an order: token p // top_k and expert
+    ids[p], the one expert without ids): the delta `src[row] @ A^T @ B^T` of the token's adapter and that expert,
+    times gates[p] if given, added to dst's row (accumulate) or written there. src's row: the token's
+    (src_by_token) or q; dst's: p (dst_by_pair) or q."""
+    if rows == 0:
         return
     n_experts, rank_cap, k = a.shape[1], a.shape[2], a.shape[3]
     n = bt.shape[3]
     assert src.stride(-1) == 1 and dst.stride(-1) == 1 and src.shape[-1] == k and dst.shape[-1] == n
     block_n = min(triton.next_power_of_2(n), 1024)
-    _pair_delta_kernel[(pairs, triton.cdiv(n, block_n))](
-        src, src.stride(0), src_rows if src_rows is not None else lora.row_slots, ids if ids is not None else a,
-        lora.row_slots, lora.ranks, a, bt, dst, dst.stride(0), dst_rows if dst_rows is not None else lora.row_slots,
-        gates if gates is not None else dst, TOP_K=top_k, E=n_experts, K=k, N=n, R=rank_cap, SRC=src_of_pair,
-        DST_MAPPED=dst_rows is not None, GATED=gates is not None, ACCUMULATE=accumulate,
-        BLOCK_K=min(triton.next_power_of_2(k), max(64, 2048 // rank_cap)), BLOCK_N=block_n, num_warps=4)
+    _pair_delta_kernel[(rows, triton.cdiv(n, block_n))](
+        src, src.stride(0), order if order is not None else lora.row_slots, ids if ids is not None else lora.row_slots,
+        lora.row_slots, lora.ranks, a, bt, dst, dst.stride(0), gates if gates is not None else dst, TOP_K=top_k,
+        E=n_experts, K=k, N=n, R=rank_cap, ORDERED=order is not None, SRC_BY_TOKEN=src_by_token,
+        DST_BY_PAIR=dst_by_pair, GATED=gates is not None, ACCUMULATE=accumulate,
+        BLOCK_K=min(triton.next_power_of_2(k), max(64, 8192 // rank_cap)), BLOCK_N=block_n, num_warps=8)

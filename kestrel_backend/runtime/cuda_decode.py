@@ -67,11 +67,11 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     (with lora, qkv and fc1 from transient bf16 weights)."""
     cfg, w, page = model.config.text, model.weights.text, cache.page_size
     packed = isinstance(w.blocks[0].qkv.weight, PackedWeight)
-    gemv = x.shape[0] <= GEMV_MAX_ROWS and lora is None
+    gemv = x.shape[0] <= GEMV_MAX_ROWS and (lora is None or cfg.tau_attn)  # (Moondream 3's adapters: MLPs only)
     one_kernel = gemv and x.shape[0] == 1 and cfg.n_kv_heads == cfg.n_heads and ATTENTION_IN_NORM_LINEAR and \
         not cfg.tau_attn and not packed  # (Moondream 3's layers: _moondream3_layer)
-    sync, best = _step_counters(len(w.blocks), cfg.n_heads, x.shape[0], one_kernel, gemv and greedy_out is not None,
-                                x.device)
+    sync, best = _step_counters(len(w.blocks), cfg.n_heads, x.shape[0], one_kernel,
+                                gemv and greedy_out is not None and lora is None, x.device)
     if lora is not None and not cfg.tau_attn:  # every layer's shrunk values, summed atomically: zeroed once
         pool, segs = lora
         shrunk = torch.zeros(len(w.blocks), x.shape[0], 4 * pool.rank_cap, device=x.device, dtype=torch.float32)

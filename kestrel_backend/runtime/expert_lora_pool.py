@@ -14,7 +14,6 @@ import dataclasses
 
 import torch
 
-from ..kernels.moe_lora import ExpertLora
 from ..model.config import TextConfig
 from ..model.lora import LoraAdapter, expert_layers, target_shapes
 
@@ -50,8 +49,10 @@ class ExpertLoraPool:
     def nbytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for layer in self.layers for t in layer)
 
-    def layer(self, i: int, row_slots: torch.Tensor) -> ExpertLora:
-        """Layer i's adapters for rows whose slots are row_slots [T] int32."""
+    def layer(self, i: int, row_slots: torch.Tensor):
+        """Layer i's adapters for rows whose slots are row_slots [T] int32 (a kernels.moe_lora.ExpertLora)."""
+        from ..kernels.moe_lora import ExpertLora  # (the kernels load on first use: TRITON_INTERPRET is read then)
+
         up_a, up_bt, down_a, down_bt = self.layers[i]
         ranks = self.expert_ranks if i in self.experts else self.dense_ranks
         return ExpertLora(up_a, up_bt, down_a, down_bt, ranks, row_slots)

@@ -784,6 +784,7 @@ class Scheduler:
     def _result(self, seq: Sequence) -> EngineResult:
         gen, now = seq.generation, time.perf_counter()
         seq.t_end = now
+        token_ids = []
         if isinstance(gen, RegionGeneration):
             key = "objects" if gen.with_size else "points"
             output = {key: [{k: min(1.0, max(0.0, v)) for k, v in obj.items()} for obj in gen.objects]}
@@ -795,7 +796,7 @@ class Scheduler:
         else:
             text = seq.detok.text if seq.detok else self.model.tokenizer.decode(gen.tokens)
             output = {"caption" if seq.skill == "caption" else "answer": text}
-            n_out = len(gen.tokens)
+            n_out, token_ids = len(gen.tokens), list(gen.tokens)
             if isinstance(gen, ReasoningThenAnswer):
                 output["reasoning"] = self._reasoning(gen)
                 n_out += len(gen.reasoning_tokens)
@@ -809,7 +810,7 @@ class Scheduler:
             "ttft_ms": round((seq.t_first - seq.t_submit) * 1000, 3),
             "cached_tokens": seq.cached_tokens,
         }
-        return EngineResult(output, gen.finish_reason, metrics)
+        return EngineResult(output, gen.finish_reason, metrics, token_ids)
 
     def _reasoning(self, gen: ReasoningThenAnswer) -> dict:
         tok = self.model.tokenizer

@@ -37,6 +37,7 @@ class EngineResult:
     output: dict  # {"answer"} / {"caption"} / {"points"} / {"objects"} / {"segments"} (+ {"reasoning"})
     finish_reason: str  # stop | length
     metrics: dict
+    token_ids: list[int] = field(default_factory=list)  # the answer's or caption's tokens (text skills), as chosen
 
 
 class Delivery:
