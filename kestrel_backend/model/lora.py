@@ -156,6 +156,9 @@ def build_adapter(name: str, state: dict[str, torch.Tensor], config: TextConfig,
     experts = expert_layers(config)
     named = {m.group(1) for m in map(_TARGET_KEY.fullmatch, state) if m}
     targets = [t for t in (*TARGETS, *EXPERT_TARGETS) if _TARGET_PATH[t] in named]
+    if config.moe is not None and {"qkv", "proj"} & set(targets):  # (Kestrel's adapt the MLPs only)
+        key = next(k for k in sorted(state) if ".attn." in k)
+        raise AdapterError(f"unexpected tensor '{key}' (Moondream 3's adapters adapt the MLPs only)")
     layers_of = {t: experts if t in EXPERT_TARGETS else range(experts.start) for t in targets}
     expected = {f"text.blocks.{i}.{_TARGET_PATH[t]}.{ab}" for t in targets for i in layers_of[t] for ab in "AB"}
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
