@@ -98,7 +98,7 @@ class InferenceEngine:
         if decoder is not None:
             decoder.warmup()  # capture every batch-size bucket now, not under the first requests
         prefill_graphs = make_prefill_graphs(model, self.kv, self.max_context, config.max_batch_size,
-                                             bool(config.mixed_steps))
+                                             bool(config.mixed_steps), self.adapters)
         if prefill_graphs is not None:
             prefill_graphs.warmup()
         crop_encoder = make_crop_encoder(model)

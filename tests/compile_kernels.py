@@ -188,11 +188,13 @@ def launch_everything(capability: int) -> None:
                 pair_delta(torch.zeros(t, k, **f), a, bt, dense_lora, torch.zeros(t, n, **f), t)
         pairs = 1024 * moe.n_experts_per_tok  # (the grouped GEMM's rows, in expert order)
         expert_lora, order = adapters(1024, dims, moe.n_experts, 4), torch.zeros(pairs, dtype=torch.int32)
+        count = torch.zeros(1, dtype=torch.int32)
         pair_delta(torch.zeros(1024, cfg.dim, **f), expert_lora.up_a, expert_lora.up_bt, expert_lora,
-                   torch.zeros(pairs, dims["up"][1], **f), pairs, moe.n_experts_per_tok, order, order, dst_by_pair=False)
-        pair_delta(torch.zeros(pairs, dims["down"][0], **f), expert_lora.down_a, expert_lora.down_bt, expert_lora,
-                   torch.zeros(pairs, cfg.dim, **f), pairs, moe.n_experts_per_tok, order, order, src_by_token=False,
+                   torch.zeros(pairs, dims["up"][1], **f), pairs, moe.n_experts_per_tok, order, order, count,
                    dst_by_pair=False)
+        pair_delta(torch.zeros(pairs, dims["down"][0], **f), expert_lora.down_a, expert_lora.down_bt, expert_lora,
+                   torch.zeros(pairs, cfg.dim, **f), pairs, moe.n_experts_per_tok, order, order, count,
+                   src_by_token=False, dst_by_pair=False)
         for t in (16, 64):  # (a prefill graph's: only its real rows routed)
             mk.moe_mlp_cuda(torch.zeros(t, cfg.dim, **f), kinds[-1], valid=torch.ones(1, dtype=torch.int32))
         if capability >= 89:

@@ -333,6 +333,48 @@ def test_prefill_graphs_forward_matches_the_flat_step(tiny_model, seqs):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # (spare work items: 0 / 0, never stored)
+def test_prefill_graphs_with_moondream3_adapters_match_the_flat_step(tiny_dir):
+    """Moondream 3's prefill graphs in the form with adapters (run eagerly here): sequences of adapter r8, of none and
+    of the experts-only adapter in one step, each row's slot read from the graphs' buffer (SlotRows; the dense
+    layer's deltas and the experts' through the pair-delta kernel, the experts' rows routed only up to the step's
+    real rows) against the flat torch step with each sequence's adapter (LoraRows)."""
+    import types
+
+    from kestrel_backend.model.lora import LoraRows
+    from kestrel_backend.model.moondream import Moondream
+    from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention
+    from kestrel_backend.runtime.expert_lora_pool import ExpertLoraPool
+    from kestrel_backend.runtime.kv_cache import PagedKVCache
+    from kestrel_backend.runtime.prefill_graphs import PrefillGraphs
+
+    model = Moondream.from_checkpoint(tiny_dir.parent / "md3-tiny", dtype=torch.float32)
+    cfg = model.config.text
+    pool = ExpertLoraPool(cfg, 3, 32, "cpu", torch.float32)
+    per_seq = [pool.place(md3_adapter(tiny_dir, name, cfg)) for name in ("r8", "experts")]
+    per_seq.insert(1, None)
+    caches = [PagedKVCache(cfg, 16, 16, "cpu", torch.float32) for _ in range(2)]
+    g = torch.Generator().manual_seed(5)
+    slices, xs, start = [], [], 0
+    for seq_id, n in enumerate((20, 9, 14)):
+        for cache in caches:
+            cache.allocate(seq_id, n + 1)
+        xs.append(torch.randn(n, cfg.dim, generator=g))
+        slices.append(SeqSlice(seq_id, start, start + n, 0, 0, torch.arange(n)))
+        start += n
+    step = TorchPagedAttention(caches[0])
+    step.plan(slices)
+    x, positions, last_rows = torch.cat(xs), torch.cat([s.positions for s in slices]), [s.end - 1 for s in slices]
+    plain = model.forward(x, positions, step)[last_rows]
+    hidden = model.forward(x, positions, step, LoraRows.of(per_seq, [len(x) for x in xs]))[last_rows]
+    assert rel_err(hidden, plain) > 1e-2  # (the adapters move the answer)
+    prefill = PrefillGraphs(model, caches[1], max_context=128, max_seqs=4, adapters=types.SimpleNamespace(pool=pool))
+    assert prefill.takes_adapters
+    logits, last = prefill.run(x, slices, [a.slot if a else 0 for a in per_seq])
+    assert rel_err(last, hidden) < 1e-5 and rel_err(logits, model.logits(hidden)) < 1e-5
+    assert rel_err(caches[1].k, caches[0].k) < 1e-6
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # (spare work items: 0 / 0, never stored)
 def test_engine_prefill_steps_of_several_sequences_through_the_prefill_graphs(tiny_dir):
     """The scheduler's prefill steps through PrefillGraphs (their padded forward run eagerly here), two requests
     on two images admitted in one step: fresh, then on the images' cached prefix pages. Each answers as the flat
@@ -355,7 +397,7 @@ def test_engine_prefill_steps_of_several_sequences_through_the_prefill_graphs(ti
     graphs = PrefillGraphs(eng.model, eng.kv, eng.max_context, max_seqs=2)
     steps = []  # sequences per step through the graphs
     run = graphs.run
-    graphs.run = lambda x, slices: steps.append(len(slices)) or run(x, slices)
+    graphs.run = lambda x, slices, *slots: steps.append(len(slices)) or run(x, slices, *slots)
 
     def burst(images, through_graphs: bool):
         """A question on each image, submitted on the engine loop in one go: all admitted at the next step."""
@@ -406,7 +448,8 @@ def test_mixed_steps_through_the_prefill_graphs_answer_as_separate_steps(tiny_di
     graphs = PrefillGraphs(eng.model, eng.kv, eng.max_context, max_seqs=4)  # (twice the batch, as the engine makes)
     steps = []  # (rows, first position) of each sequence of each step through the graphs
     run = graphs.run
-    graphs.run = lambda x, slices: steps.append([(s.end - s.start, s.first_pos) for s in slices]) or run(x, slices)
+    graphs.run = lambda x, slices, *slots: steps.append([(s.end - s.start, s.first_pos) for s in slices]) or \
+        run(x, slices, *slots)
 
     def burst(mixed: bool):
         # (between bursts: nothing running; separate steps from the torch path, which the graphs equal: see above)
@@ -452,7 +495,7 @@ def test_prefixes_ahead_through_the_prefill_graphs_answer_as_without(tiny_dir):
     graphs = PrefillGraphs(eng.model, eng.kv, eng.max_context, max_seqs=4)
     steps = []  # the sequence ids of each step through the graphs
     run = graphs.run
-    graphs.run = lambda x, slices: steps.append([sl.seq_id for sl in slices]) or run(x, slices)
+    graphs.run = lambda x, slices, *slots: steps.append([sl.seq_id for sl in slices]) or run(x, slices, *slots)
     images = [pyvips.Image.new_from_array(np.random.default_rng(seed).integers(0, 256, (90, 120, 3), dtype=np.uint8))
               .pngsave_buffer() for seed in (11, 12)]
 

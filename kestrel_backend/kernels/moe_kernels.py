@@ -660,11 +660,12 @@ def _moe_mlp_grouped(x: torch.Tensor, r: "_Routing", moe: MoE, into: torch.Tenso
         fc1, fc2 = widened(fc1, fc1_scale, x.dtype), widened(fc2, fc2_scale, x.dtype)
         h = torch._grouped_mm(x.index_select(0, order // top_k), fc1.transpose(1, 2), offs=ends)
         if lora is not None:  # (h's and y's rows are in expert order)
-            pair_delta(x, lora.up_a, lora.up_bt, lora, h, order.numel(), top_k, r.ids, order, dst_by_pair=False)
+            pair_delta(x, lora.up_a, lora.up_bt, lora, h, order.numel(), top_k, r.ids, order, r.starts[-1:],
+                       dst_by_pair=False)
         act = gated_gelu(h)
         y = torch._grouped_mm(act, fc2.transpose(1, 2), offs=ends)
         if lora is not None:
-            pair_delta(act, lora.down_a, lora.down_bt, lora, y, order.numel(), top_k, r.ids, order,
+            pair_delta(act, lora.down_a, lora.down_bt, lora, y, order.numel(), top_k, r.ids, order, r.starts[-1:],
                        src_by_token=False, dst_by_pair=False)
     return combine_rows(y, where, gates, x.dtype, into, bias)
 
@@ -742,8 +743,8 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, r: "_Routing", summed: bool = Tru
         act, fc2, fc2_scale if scaled else fc2, r.order, r.starts, r.gates.reshape(-1), out, N=d, I=inner,
         PRECISION=precision, SCALED=scaled, **down)
     if lora is not None:  # fc2's deltas times the routing weight onto the pairs' rows (act's rows are in expert order)
-        pair_delta(act, lora.down_a, lora.down_bt, lora, out, pairs, top_k, r.ids, r.order, src_by_token=False,
-                   gates=r.gates.reshape(-1))
+        pair_delta(act, lora.down_a, lora.down_bt, lora, out, pairs, top_k, r.ids, r.order, r.starts[-1:],
+                   src_by_token=False, gates=r.gates.reshape(-1))
     return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
 
 

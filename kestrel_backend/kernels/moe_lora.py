@@ -38,14 +38,21 @@ SRC_TOKEN, SRC_PAIR, SRC_MAPPED = 0, 1, 2  # a pair's input row: its token's (p 
 
 
 @triton.jit
-def _pair_delta_kernel(src_ptr, src_stride, order_ptr, ids_ptr, row_slots_ptr, ranks_ptr, a_ptr, bt_ptr, dst_ptr,
-                       dst_stride, gates_ptr, TOP_K: tl.constexpr, E: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-                       R: tl.constexpr, ORDERED: tl.constexpr, SRC_BY_TOKEN: tl.constexpr, DST_BY_PAIR: tl.constexpr,
-                       GATED: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _pair_delta_kernel(src_ptr, src_stride, order_ptr, count_ptr, ids_ptr, row_slots_ptr, ranks_ptr, a_ptr, bt_ptr,
+                       dst_ptr, dst_stride, gates_ptr, TOP_K: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
+                       N: tl.constexpr, R: tl.constexpr, ORDERED: tl.constexpr, SRC_BY_TOKEN: tl.constexpr,
+                       DST_BY_PAIR: tl.constexpr, GATED: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
     q, nb = tl.program_id(0), tl.program_id(1)
-    p = tl.load(order_ptr + q) if ORDERED else q  # the pair (token * TOP_K + slot) this program's row q holds
+    if ORDERED:  # (an order of fewer rows than programs: those past its count, count_ptr's, do nothing)
+        live = q < tl.load(count_ptr)
+        # the pair (token * TOP_K + slot) this program's row q holds (0 past the count, where order is anything)
+        p = tl.where(live, tl.load(order_ptr + tl.where(live, q, 0)), 0)
+    else:
+        live = q >= 0
+        p = q
     slot = tl.load(row_slots_ptr + p // TOP_K)
-    rank = tl.load(ranks_ptr + slot)
+    rank = tl.where(live, tl.load(ranks_ptr + slot), 0)
     if E > 1:  # (clamped: the expert ids of rows a caller leaves unrouted are anything)
         e = tl.minimum(tl.maximum(tl.load(ids_ptr + p), 0), E - 1)
     else:
@@ -66,7 +73,7 @@ def _pair_delta_kernel(src_ptr, src_stride, order_ptr, ids_ptr, row_slots_ptr, r
         u += tl.sum(a.to(tl.float32) * xs.to(tl.float32)[None, :], 1)
     u = u.to(dst_ptr.dtype.element_ty).to(tl.float32)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    n_mask = offs_n < tl.where(live, N, 0)  # (a row past the order's count writes nothing)
     bt = tl.load(bt_ptr + base * (R * N) + offs_r[:, None] * N + offs_n[None, :],
                  mask=r_mask[:, None] & n_mask[None, :], other=0.0)
     delta = tl.sum(bt.to(tl.float32) * u[:, None], 0)
@@ -80,20 +87,23 @@ def _pair_delta_kernel(src_ptr, src_stride, order_ptr, ids_ptr, row_slots_ptr, r
 
 def pair_delta(src: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, lora: ExpertLora, dst: torch.Tensor,
                rows: int, top_k: int = 1, ids: torch.Tensor | None = None, order: torch.Tensor | None = None,
-               src_by_token: bool = True, dst_by_pair: bool = True, gates: torch.Tensor | None = None,
-               accumulate: bool = True) -> None:
+               count: torch.Tensor | None = None, src_by_token: bool = True, dst_by_pair: bool = True,
+               gates: torch.Tensor | None = None, accumulate: bool = True) -> None:
     """For each of `rows` rows q, holding pair p = order[q] (or q without an order: token p // top_k and expert
     ids[p], the one expert without ids): the delta `src[row] @ A^T @ B^T` of the token's adapter and that expert,
     times gates[p] if given, added to dst's row (accumulate) or written there. src's row: the token's
-    (src_by_token) or q; dst's: p (dst_by_pair) or q."""
+    (src_by_token) or q; dst's: p (dst_by_pair) or q. count: with an order, a device int32 holding how many of its
+    rows are filled (a routing of only a prefill graph's real rows fills fewer than `rows`)."""
     if rows == 0:
         return
     n_experts, rank_cap, k = a.shape[1], a.shape[2], a.shape[3]
     n = bt.shape[3]
+    assert (order is None) == (count is None)
     assert src.stride(-1) == 1 and dst.stride(-1) == 1 and src.shape[-1] == k and dst.shape[-1] == n
     block_n = min(triton.next_power_of_2(n), 1024)
     _pair_delta_kernel[(rows, triton.cdiv(n, block_n))](
-        src, src.stride(0), order if order is not None else lora.row_slots, ids if ids is not None else lora.row_slots,
+        src, src.stride(0), order if order is not None else lora.row_slots, count if count is not None else lora.row_slots,
+        ids if ids is not None else lora.row_slots,
         lora.row_slots, lora.ranks, a, bt, dst, dst.stride(0), gates if gates is not None else dst, TOP_K=top_k,
         E=n_experts, K=k, N=n, R=rank_cap, ORDERED=order is not None, SRC_BY_TOKEN=src_by_token,
         DST_BY_PAIR=dst_by_pair, GATED=gates is not None, ACCUMULATE=accumulate,

@@ -254,3 +254,25 @@ class LoraRows:
                 slots[start:end] = adapter.slot
             self._row_slots = to_device(slots, torch.int32, device)
         return self._row_slots
+
+
+class SlotRows:
+    """The rows' adapters as the GPU kernels alone read them (Moondream 3): each row's slot in an ExpertLoraPool, from
+    a device buffer (a prefill graph's static input), so a forward of these rows can be captured once for any mix of
+    adapters. Dense layers' fc1 and fc2 deltas go through the same pair-delta kernel as the experts' (one expert)."""
+
+    def __init__(self, pool, row_slots: torch.Tensor):
+        self.pool, self._slots = pool, row_slots
+
+    def row_slots(self, n: int, device) -> torch.Tensor:
+        return self._slots[:n]
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, target: str) -> torch.Tensor:
+        if target not in ("fc1", "fc2"):  # (Moondream 3's adapters adapt the MLPs only)
+            return y
+        from ..kernels.moe_lora import pair_delta
+
+        lora = self.pool.layer(layer, self._slots[:x.shape[0]])
+        a, bt = (lora.up_a, lora.up_bt) if target == "fc1" else (lora.down_a, lora.down_bt)
+        pair_delta(x, a, bt, lora, y, x.shape[0])
+        return y

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .config import TextConfig
 from .layers import layer_norm, linear, mlp, mlp_hidden
-from .lora import LoraRows
+from .lora import LoraRows, SlotRows
 from ..kernels.packed import dense
 from .weights import MoE, Tau, TextBlock, TextWeights
 
@@ -82,14 +82,16 @@ def top_experts(logits: torch.Tensor, top_k: int, dtype: torch.dtype):
     return top_ids, torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(dtype)
 
 
-def moe_mlp(x: torch.Tensor, moe: MoE, lora: LoraRows | None = None, layer: int = 0) -> torch.Tensor:
+def moe_mlp(x: torch.Tensor, moe: MoE, lora: LoraRows | SlotRows | None = None, layer: int = 0,
+            valid: torch.Tensor | None = None) -> torch.Tensor:
     """[T, dim] -> [T, dim]: each token through its top-k experts, weighted by the softmax of their router
     logits. Experts run one after another over the tokens routed to them (on a GPU: grouped kernels, no sync).
-    lora: the rows whose adapter adds its deltas of this layer's experts (before the GELU and before the weight)."""
-    if x.is_cuda:
+    lora: the rows whose adapter adds its deltas of this layer's experts (before the GELU and before the weight).
+    valid: as moe_kernels.add_moe_mlp's (a prefill graph's real rows)."""
+    if x.is_cuda or isinstance(lora, SlotRows):  # (SlotRows are for the kernels: in the tests' CPU forms too)
         from ..kernels.moe_kernels import moe_mlp_cuda
 
-        return moe_mlp_cuda(x, moe, lora=expert_lora(lora, layer, x))
+        return moe_mlp_cuda(x, moe, valid=valid, lora=expert_lora(lora, layer, x))
     top_ids, weights = route_tokens(x, moe.router.weight, moe.router.bias, moe.top_k)
     out = torch.zeros_like(x)
     inner = moe.fc2.shape[-1]
@@ -108,7 +110,7 @@ def moe_mlp(x: torch.Tensor, moe: MoE, lora: LoraRows | None = None, layer: int 
     return out
 
 
-def expert_lora(lora: LoraRows | None, layer: int, x: torch.Tensor):
+def expert_lora(lora: LoraRows | SlotRows | None, layer: int, x: torch.Tensor):
     """The GPU kernels' view of the rows' adapters in this layer (moe_lora.ExpertLora), or None."""
     if lora is None or lora.pool is None:
         return None
@@ -136,7 +138,7 @@ def embed_tokens(ids: torch.Tensor, w: TextWeights) -> torch.Tensor:
 
 
 def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: TextConfig,
-           rope: torch.Tensor, attention: Attention, lora: LoraRows | None = None) -> torch.Tensor:
+           rope: torch.Tensor, attention: Attention, lora: LoraRows | SlotRows | None = None) -> torch.Tensor:
     """Run all blocks over x [T, dim] (tokens of one or many sequences) -> hidden [T, dim]. lora: the rows
     that add an adapter's deltas, if any. An attention with valid_rows (a device int32 [1]: a prefill graph's) has
     only that many leading rows route to experts: its padded rows take none (moe_kernels.add_moe_mlp)."""
@@ -152,7 +154,8 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
         q, k, v = split_qkv_with_rope(qkv, cos, sin, config)
         out = attention(i, q, k, v).reshape(n, -1)
         if lora is not None and block.moe is not None:
-            x = x + lora.add(linear(out, block.proj), h, i, "proj") + moe_mlp(h, block.moe, lora, i)
+            x = x + lora.add(linear(out, block.proj), h, i, "proj") + \
+                moe_mlp(h, block.moe, lora, i, getattr(attention, "valid_rows", None))
         elif lora is not None:
             attn_out, mlp_out = _block_outputs_with_lora(h, out, block, lora, i)
             x = x + attn_out + mlp_out

@@ -10,13 +10,18 @@ kernel's work items cover the real rows only: they are neither attended to nor s
 the real rows only (moe_kernels.add_moe_mlp's valid): padded rows, holding stale or uninitialised values, chose
 experts of their own, and NaN rows all the same ones, whose tiles then ran long (H100, a question of 20 rows on a
 cached prefix: 6.2 ms with finite padded rows, 13.8 with NaN ones, 5.3 either way now; question_prefill.py). The LM
-head runs over as many last rows as the bucket has sequences; those of absent sequences are dropped."""
+head runs over as many last rows as the bucket has sequences; those of absent sequences are dropped.
+
+With Moondream 3's adapters (an ExpertLoraPool) every graph also comes in a form with their deltas, captured beside
+it at start-up, that reads each row's adapter slot from a static buffer (model.lora.SlotRows): steps where some
+sequence has an adapter replay it. Moondream 2's adapters prefill eagerly."""
 
 from __future__ import annotations
 
 import torch
 
 from ..model.layers import to_device
+from ..model.lora import SlotRows
 from ..model.moondream import Moondream
 from ..kernels import prefill_attention as kernel
 from . import prefill_attention as pa
@@ -57,9 +62,10 @@ class PrefillGraphs:
     buffers, valid until the next run. For steps of up to max_seqs sequences and max_context rows in all
     (fits()). On a CPU (tests) the same padded forward runs eagerly."""
 
-    def __init__(self, model: Moondream, cache: PagedKVCache, max_context: int, max_seqs: int = 1):
+    def __init__(self, model: Moondream, cache: PagedKVCache, max_context: int, max_seqs: int = 1, adapters=None):
         assert BUCKET % kernel.BLOCK_M == 0
         self.model, self.cache = model, cache
+        self.adapters = adapters  # the AdapterRegistry, whose pool the adapter forms read (see takes_adapters)
         # sequences per graph (the LM head's rows): one, or up to max_seqs (spare attention programs exit at once)
         self.seq_buckets = sorted({1, max_seqs})
         dev, rows, seqs = model.device, -(-min(max_context, MAX_ROWS) // BUCKET) * BUCKET, max_seqs
@@ -75,34 +81,45 @@ class PrefillGraphs:
         self.one_row_views = self.one_rows.views(self.one_rows_packed, seqs)
         self.last = torch.zeros(seqs, device=dev, dtype=torch.long)
         self.valid = torch.zeros(1, device=dev, dtype=torch.int32)  # the step's real rows (see run)
+        self.row_slots = torch.zeros(rows, device=dev, dtype=torch.int32)  # each row's adapter slot (0: none)
         self.logits = torch.zeros(seqs, model.config.text.vocab_size, device=dev, dtype=torch.float32)
         self.hidden = torch.zeros(seqs, model.config.text.dim, device=dev, dtype=model.dtype)
-        self.graphs = CapturedGraphs()  # by (rows, sequence bucket)
+        self.graphs = CapturedGraphs()  # by (rows, sequence bucket, with adapters)
 
     def fits(self, lengths: list[int]) -> bool:
         """Whether a step of sequences with these row counts runs as a graph."""
         return len(lengths) <= self.seq_buckets[-1] and sum(lengths) <= self.max_rows
 
-    def _forward(self, rows: int, seqs: int) -> None:
+    @property
+    def takes_adapters(self) -> bool:
+        """Whether steps with adapters run as graphs too: Moondream 3's, once their pool exists."""
+        from .expert_lora_pool import ExpertLoraPool
+
+        return self.adapters is not None and isinstance(self.adapters.pool, ExpertLoraPool)
+
+    def _forward(self, rows: int, seqs: int, lora: bool = False) -> None:
         attention = _BucketAttention(self, rows, _work_items(rows, seqs))
-        hidden = self.model.forward(self.x[:rows], self.positions[:rows], attention)
+        rows_lora = SlotRows(self.adapters.pool, self.row_slots[:rows]) if lora else None
+        hidden = self.model.forward(self.x[:rows], self.positions[:rows], attention, rows_lora)
         self.hidden[:seqs].copy_(hidden.index_select(0, self.last[:seqs]))
         self.logits[:seqs].copy_(self.model.logits(self.hidden[:seqs]))
 
-    def _graph(self, rows: int, seqs: int) -> torch.cuda.CUDAGraph:
-        return self.graphs.get_or_capture((rows, seqs), lambda: self._forward(rows, seqs))
+    def _graph(self, rows: int, seqs: int, lora: bool = False) -> torch.cuda.CUDAGraph:
+        return self.graphs.get_or_capture((rows, seqs, lora), lambda: self._forward(rows, seqs, lora))
 
     def warmup(self) -> None:
         """Capture every graph now, not under the first requests that need it."""
         with torch.inference_mode():
             for seqs in self.seq_buckets:
                 for rows in range(BUCKET, self.max_rows + 1, BUCKET):
-                    self._graph(rows, seqs)  # (work items all empty here: nothing attended, nothing stored)
+                    for lora in (False, True) if self.takes_adapters else (False,):
+                        self._graph(rows, seqs, lora)  # (work items all empty here: nothing attended, nothing stored)
 
-    def run(self, x: torch.Tensor, slices: list[SeqSlice]):
+    def run(self, x: torch.Tensor, slices: list[SeqSlice], adapter_slots: list[int] | None = None):
         """x [T, dim]: the step's inputs, sequence after sequence as slices have them (as for a flat step's
         attention.plan): each sequence's rows from position first_pos on (the positions before it are in its
-        pages already; prefix_len positions from 0 are its image's), whose k/v go to its pages."""
+        pages already; prefix_len positions from 0 are its image's), whose k/v go to its pages. adapter_slots: each
+        sequence's adapter slot in the pool (0: none), when some has one (takes_adapters)."""
         used = slices[-1].end  # real rows; those after, up to a multiple of BUCKET, are padding
         assert self.fits([s.end - s.start for s in slices]) and x.shape[0] == used
         rows = -(-used // BUCKET) * BUCKET
@@ -124,8 +141,14 @@ class PrefillGraphs:
         self.last[:len(slices)].copy_(to_device([s.end - 1 for s in slices], self.last.dtype, self.last.device))
         self.last[len(slices):seqs].zero_()
         self.valid.fill_(used)
+        lora = bool(adapter_slots) and any(adapter_slots)
+        if lora:
+            per_row = torch.zeros(rows, dtype=torch.int32)  # (padded rows: none)
+            for s, slot in zip(slices, adapter_slots):
+                per_row[s.start:s.end] = slot
+            self.row_slots[:rows].copy_(to_device(per_row, torch.int32, self.row_slots.device))
         if self.x.is_cuda:
-            self._graph(rows, seqs).replay()
+            self._graph(rows, seqs, lora).replay()
         else:
-            self._forward(rows, seqs)
+            self._forward(rows, seqs, lora)
         return self.logits[:len(slices)], self.hidden[:len(slices)]

@@ -91,7 +91,7 @@ def make_attention(cache: PagedKVCache):
 
 
 def make_prefill_graphs(model: Moondream, cache: PagedKVCache, max_context: int, max_batch: int,
-                        mixed_steps: bool = False):
+                        mixed_steps: bool = False, adapters=None):
     """CUDA graphs for prefill steps on a GPU; None elsewhere. A mixed step holds up to twice max_batch sequences:
     the running ones and the new ones that take the slots of those taking their last token in it (with graphs of
     max_batch, such steps ran eagerly: chain-of-thought bursts 6 to 27% slower)."""
@@ -99,7 +99,7 @@ def make_prefill_graphs(model: Moondream, cache: PagedKVCache, max_context: int,
         return None
     from .prefill_graphs import PrefillGraphs
 
-    return PrefillGraphs(model, cache, max_context, 2 * max_batch if mixed_steps else max_batch)
+    return PrefillGraphs(model, cache, max_context, 2 * max_batch if mixed_steps else max_batch, adapters)
 
 
 def make_crop_encoder(model: Moondream):
@@ -681,9 +681,11 @@ class Scheduler:
         x = torch.cat(pieces)
         lora = LoraRows.of([s.adapter for s in seqs] + [None] * len(ahead), [len(p) for p in pieces])
         blocks = any(s.blocks for s in slices)  # (later image blocks: the torch attention's general mask takes them)
-        if prefill and lora is None and self.prefill_graphs is not None and not blocks and \
-                self.prefill_graphs.fits([len(p) for p in pieces]):
-            logits, hidden = self.prefill_graphs.run(x, slices)
+        graphs = self.prefill_graphs
+        if prefill and graphs is not None and (lora is None or graphs.takes_adapters) and not blocks and \
+                graphs.fits([len(p) for p in pieces]):
+            slots = [s.adapter.slot if s.adapter is not None else 0 for s in seqs] + [0] * len(ahead)
+            logits, hidden = graphs.run(x, slices, slots if lora is not None else None)
             return logits[:len(seqs)], hidden[:len(seqs)]
         pad = -x.shape[0] % self.eager_pad if prefill and self.eager_pad else 0
         if pad:  # (padded rows: computed, neither stored nor attended to, dropped; no adapter's span covers them)
