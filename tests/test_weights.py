@@ -182,6 +182,12 @@ def test_kestrel_moondream3_checkpoint_with_fp8_experts_loads(tiny_dir, tmp_path
     for name in current:
         want = expected.get(name, current[name])
         assert torch.equal(loaded[name], want), name
+    one_file = tmp_path / "moondream3.1"  # (moondream3.1-9B-A2B's file: the same layout as one model.safetensors)
+    one_file.mkdir()
+    save_file({k: t.contiguous() for k, t in kestrel.items()}, str(one_file / "model.safetensors"))
+    assert checkpoint_family(one_file) == "moondream3"
+    from_safetensors = load_state(one_file, config)
+    assert all(torch.equal(from_safetensors[k], loaded[k]) for k in loaded) and from_safetensors.keys() == loaded.keys()
     assert 0 < (loaded["text.blocks.2.mlp.fc1.weight"] - current["text.blocks.2.mlp.fc1.weight"]).abs().max() < 0.1
 
     # kept FP8 (as on a GPU): the experts' FP8 weights and scales, each expert's weights those dequantised at load
