@@ -89,9 +89,9 @@ async def run_kestrel(args, pairs, chats, settings, tuned) -> dict[str, list[lis
             lora.load_state_dict(state, strict=False)
             return lora.to("cuda")
 
-    engine = await InferenceEngine.create(RuntimeConfig(model=args.model, model_path=str(args.checkpoint / "model_fp8.pt"),
-                                                        tokenizer_path=str(args.checkpoint), max_batch_size=32),
-                                          adapter_provider=FileAdapters())
+    config = RuntimeConfig(model=args.model, model_path=str(args.checkpoint / "model_fp8.pt"),
+                           tokenizer_path=str(args.checkpoint), max_batch_size=32)
+    engine = await InferenceEngine.create(config, adapter_provider=FileAdapters())
     try:
         return await ask_all(engine, pairs, chats, settings, tuned, lambda m: m, kestrel_tokens)
     finally:

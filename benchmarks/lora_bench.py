@@ -175,10 +175,10 @@ def main() -> int:
         res["ranks"].append(row)
         for d in row["decode"]:
             print(f"rank {rank} context {d['context']}, {d['batch']} rows: {d['step_ms_without']:.3f} ms without, "
-                  f"{d['step_ms_with']:.3f} with {d['adapters']} adapters: +{d['overhead'] * 100:.1f}%; argmax agreement with eager "
-                  f"{d['argmax_agreement_with_eager']:.3f}, without adapters {d['argmax_agreement_with_eager_without_adapters']:.3f} "
-                  f"(the adapters move {d['rows_whose_argmax_the_adapter_moves']:.2f})",
-                  flush=True)
+                  f"{d['step_ms_with']:.3f} with {d['adapters']} adapters: +{d['overhead'] * 100:.1f}%; argmax "
+                  f"agreement with eager {d['argmax_agreement_with_eager']:.3f}, without adapters "
+                  f"{d['argmax_agreement_with_eager_without_adapters']:.3f} (the adapters move "
+                  f"{d['rows_whose_argmax_the_adapter_moves']:.2f})", flush=True)
         print(f"rank {rank}: load {row['load_ms_median']:.0f} ms median, slot {row['slot_MB']:.1f} MB", flush=True)
         del registry
         torch.cuda.empty_cache()

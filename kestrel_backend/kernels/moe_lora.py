@@ -102,8 +102,7 @@ def pair_delta(src: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, lora: Exper
     assert src.stride(-1) == 1 and dst.stride(-1) == 1 and src.shape[-1] == k and dst.shape[-1] == n
     block_n = min(triton.next_power_of_2(n), 1024)
     _pair_delta_kernel[(rows, triton.cdiv(n, block_n))](
-        src, src.stride(0), order if order is not None else lora.row_slots, count if count is not None else lora.row_slots,
-        ids if ids is not None else lora.row_slots,
+        src, src.stride(0), *(t if t is not None else lora.row_slots for t in (order, count, ids)),  # (unread if None)
         lora.row_slots, lora.ranks, a, bt, dst, dst.stride(0), gates if gates is not None else dst, TOP_K=top_k,
         E=n_experts, K=k, N=n, R=rank_cap, ORDERED=order is not None, SRC_BY_TOKEN=src_by_token,
         DST_BY_PAIR=dst_by_pair, GATED=gates is not None, ACCUMULATE=accumulate,

@@ -58,10 +58,10 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
     reads the pages that rows share once for all of them (grouped_attention; inputs.groups), not once a row.
 
     lora: (LoraPool, the step's rows in segments of one adapter: StepInputs.segments): each row adds its
-    adapter's deltas (lora_kernels); qkv and fc1 then come from cuBLAS, whatever the row count. Moondream 3's:
-    (ExpertLoraPool, each row's slot: StepInputs.row_slots), its dense and expert MLPs' deltas (moe_lora). On a GPU two of the
+    adapter's deltas (lora_kernels); qkv and fc1 then come from cuBLAS, whatever the row count. On a GPU two of the
     three adapter kernels run on a side stream beside the base work: the shrink beside qkv and fc1's matmuls, proj's
-    and fc2's deltas onto the residual beside the attention.
+    and fc2's deltas onto the residual beside the attention. Moondream 3's: (ExpertLoraPool, each row's slot:
+    StepInputs.row_slots), the deltas of its dense and expert MLPs (moe_lora).
 
     4-bit weights (PackedWeight) go to the W4A16 twins of norm_linear and linear2_residual at every row count
     (with lora, qkv and fc1 from transient bf16 weights)."""
