@@ -11,7 +11,8 @@ reads, slot 0 none). The shrunk values are rounded to the activations' type, as 
 
 Where the delta must land inside a kernel (fc1's, before the expert kernels' gated GELU) it is written to a buffer
 in pair order that those kernels add (`moe_kernels`: `delta` of the up kernels); elsewhere it is added onto the
-output rows in place.
+output rows in place. Rows kept in the expert kernels' order (their activations, the grouped GEMM's outputs) are
+taken in that order, up to the count of pairs the routing filled (a prefill graph routes only its real rows).
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ class ExpertLora(NamedTuple):
     ranks: torch.Tensor
     row_slots: torch.Tensor
 
-
-SRC_TOKEN, SRC_PAIR, SRC_MAPPED = 0, 1, 2  # a pair's input row: its token's (p // top_k), its own (p), rows[p]
 
 
 @triton.jit
@@ -106,4 +105,5 @@ def pair_delta(src: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, lora: Exper
         lora.row_slots, lora.ranks, a, bt, dst, dst.stride(0), gates if gates is not None else dst, TOP_K=top_k,
         E=n_experts, K=k, N=n, R=rank_cap, ORDERED=order is not None, SRC_BY_TOKEN=src_by_token,
         DST_BY_PAIR=dst_by_pair, GATED=gates is not None, ACCUMULATE=accumulate,
+        # (shrink tiles of 8,192 values: a one-row step's serial K loop is its cost; H100, +20% against +33% at 2,048)
         BLOCK_K=min(triton.next_power_of_2(k), max(64, 8192 // rank_cap)), BLOCK_N=block_n, num_warps=8)
