@@ -41,14 +41,19 @@ def first_turn(image_index: int, question: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image", "index": image_index}, {"type": "text", "text": question}]}]
 
 
+def next_turn(messages: list[dict], answer, question: str) -> list[dict]:
+    """The conversation after `answer` (a chat result) and the user's next question."""
+    return messages + [{"role": "assistant", "content": answer.output["message"]["content"]},
+                       {"role": "user", "content": question}]
+
+
 async def converse(engine, image: bytes, turns: int, settings: dict) -> list:
     """One conversation, turn after turn: -> each turn's result."""
     messages, results = first_turn(0, QUESTIONS[0]), []
     for turn in range(turns):
         result = await engine.chat(parse_messages(messages, [image]), False, False, settings)
         results.append(result)
-        messages = messages + [{"role": "assistant", "content": result.output["message"]["content"]},
-                               {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]}]
+        messages = next_turn(messages, result, QUESTIONS[(turn + 1) % len(QUESTIONS)])
     return results
 
 
@@ -58,8 +63,7 @@ def next_turn_ttft(engine, images: list[bytes], settings: dict) -> dict:
     tokenizer = engine.model.tokenizer
     for sample, image in enumerate(images):
         first = asyncio.run(engine.chat(parse_messages(first_turn(0, QUESTIONS[0]), [image]), False, False, settings))
-        messages = first_turn(0, QUESTIONS[0]) + [{"role": "assistant", "content": first.output["message"]["content"]},
-                                                  {"role": "user", "content": QUESTIONS[1]}]
+        messages = next_turn(first_turn(0, QUESTIONS[0]), first, QUESTIONS[1])
         second = asyncio.run(engine.chat(parse_messages(messages, [image]), False, False, settings))
         new = second.metrics["input_tokens"] - second.metrics["cached_tokens"]
         words = " ".join(f"s{sample}w{i}" for i in range(new))  # a text prompt of about as many tokens, new to the
