@@ -254,8 +254,8 @@ def main() -> int:
     new = sorted(set(compiled) - set(recorded))
     print(f"{len(compiled)} variants: {len(compiled) - len(new)} recorded, {len(new)} compiled now", flush=True)
     if (record or update) and not failed:
-        RECORD.write_text(json.dumps({"about": "written by tests/compile_kernels.py --record: the Triton cache key of "
-                                      "every kernel variant that compiled, and its shared memory a block",
+        RECORD.write_text(json.dumps({"about": "written by tests/compile_kernels.py --record or --update: the Triton "
+                                      "cache key of every kernel variant that compiled, and its shared memory a block",
                                       "triton": triton.__version__, "shared_memory": dict(sorted(compiled.items()))},
                                      indent=0) + "\n")
     return 1 if failed else 0

@@ -729,10 +729,7 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, r: "_Routing", summed: bool = Tru
     assert x.stride(1) == 1
     act = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(pairs, d, device=x.device, dtype=torch.float32)
-    delta = None
-    if lora is not None:  # fc1's deltas in pair order, added in the up kernel before its GELU
-        delta = torch.empty(pairs, 2 * inner, device=x.device, dtype=torch.float32)
-        pair_delta(x, lora.up_a, lora.up_bt, lora, delta, pairs, top_k, r.ids, accumulate=False)
+    delta = _up_deltas(x, lora, pairs, top_k, r.ids)
     up, down = _tiles(t, x.dtype, scaled)
     assert d % up["BLOCK_K"] == 0 and inner % down["BLOCK_K"] == 0
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)
@@ -746,6 +743,16 @@ def _moe_mlp_routed(x: torch.Tensor, moe: MoE, r: "_Routing", summed: bool = Tru
         pair_delta(act, lora.down_a, lora.down_bt, lora, out, pairs, top_k, r.ids, r.order, r.starts[-1:],
                    src_by_token=False, gates=r.gates.reshape(-1))
     return out.view(t, top_k, d).sum(1).to(x.dtype) if summed else out
+
+
+def _up_deltas(x: torch.Tensor, lora: ExpertLora | None, pairs: int, top_k: int, ids: torch.Tensor):
+    """The adapters' fc1 deltas of the pairs [pairs, 2I] float32, in pair order, for the up kernels to add before
+    their gated GELU (None without adapters)."""
+    if lora is None:
+        return None
+    delta = torch.empty(pairs, lora.up_bt.shape[-1], device=x.device, dtype=torch.float32)
+    pair_delta(x, lora.up_a, lora.up_bt, lora, delta, pairs, top_k, ids, accumulate=False)
+    return delta
 
 
 # One token's FP8 experts as GEMVs (_moe_gemv_up_kernel): a program a pair and BLOCK_N inner or output columns. H100
@@ -768,10 +775,7 @@ def _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, ids, gates, lora: ExpertLora | 
     inner, d, top_k = fc1.shape[1] // 2, fc1.shape[2], ids.numel()
     act = torch.empty(top_k, inner, device=x.device, dtype=x.dtype)
     out = torch.empty(top_k, d, device=x.device, dtype=torch.float32)
-    delta = None
-    if lora is not None:
-        delta = torch.empty(top_k, 2 * inner, device=x.device, dtype=torch.float32)
-        pair_delta(x, lora.up_a, lora.up_bt, lora, delta, top_k, top_k, ids, accumulate=False)
+    delta = _up_deltas(x, lora, top_k, top_k, ids)
     up, down = GEMV_TILES
     _moe_gemv_up_kernel[(top_k, inner // up["BLOCK_N"])](x, fc1, fc1_scale, ids, act,
                                                          delta if delta is not None else act, K=d, I=inner,

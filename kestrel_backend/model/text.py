@@ -177,9 +177,13 @@ def _block_outputs_with_lora(h: torch.Tensor, out: torch.Tensor, block: TextBloc
                              layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention projection plus MLP, each with its adapter delta added as the reference adds it (proj's
     delta from the normed input h; fc1's before the GELU)."""
-    attn = lora.add(linear(out, block.proj), h, layer, "proj")
-    g = F.gelu(lora.add(linear(h, block.mlp.fc1), h, layer, "fc1"), approximate="tanh")
-    return attn, lora.add(linear(g, block.mlp.fc2), g, layer, "fc2")
+    return lora.add(linear(out, block.proj), h, layer, "proj"), mlp_with_lora(h, block.mlp, lora, layer)
+
+
+def mlp_with_lora(h: torch.Tensor, w, lora: LoraRows | SlotRows, layer: int) -> torch.Tensor:
+    """A dense MLP with the rows' adapter deltas: fc1's before the GELU, fc2's from its activations."""
+    g = F.gelu(lora.add(linear(h, w.fc1), h, layer, "fc1"), approximate="tanh")
+    return lora.add(linear(g, w.fc2), g, layer, "fc2")
 
 
 def lm_head(hidden: torch.Tensor, w: TextWeights) -> torch.Tensor:

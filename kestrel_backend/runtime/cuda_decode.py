@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..kernels.decode_kernels import (FED_BACK, GEMV_MAX_ROWS, banned_greedy, embed_rows, gpu_paths, greedy_tokens,
                                       linear2_residual, norm_linear, norm_linear_attention, one_kernel_counters,
@@ -22,14 +21,14 @@ from ..kernels.decode_kernels import (FED_BACK, GEMV_MAX_ROWS, banned_greedy, em
 from ..kernels.grouped_attention import GROUP, group_rows, grouped_attention
 from ..kernels.lora_kernels import lora_expand_in, lora_expand_out, lora_shrink, segments
 from ..kernels.moe_kernels import moe_mlp_cuda
-from ..kernels.moe_lora import ExpertLora, pair_delta
 from ..kernels.packed import PackedWeight
 from ..kernels.residual_kernels import residual_norm
 from ..kernels.tau_cuda import tau_rows
 from ..kernels.w4a16_kernels import w4_linear2_residual, w4_norm_linear
 from ..model.layers import layer_norm, linear, mlp, mlp_hidden
 from ..model.moondream import Moondream
-from ..model.text import apply_tau
+from ..model.lora import SlotRows
+from ..model.text import apply_tau, expert_lora, mlp_with_lora
 from .cuda_graphs import CapturedGraphs
 from .kv_cache import PagedKVCache
 
@@ -76,6 +75,7 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
         pool, segs = lora
         shrunk = torch.zeros(len(w.blocks), x.shape[0], 4 * pool.rank_cap, device=x.device, dtype=torch.float32)
         side = _side_stream(x.device) if x.is_cuda else None
+    rows = SlotRows(*lora) if lora is not None and cfg.tau_attn else None  # (Moondream 3's: each row's slot)
     h = None  # Moondream 3's layers: the normed input, from the layer before
     positions = inputs.seq_lens - 1 if cfg.tau_attn else None  # (tau's: one kernel a step, not one a layer)
     for i, block in enumerate(w.blocks):
@@ -83,8 +83,7 @@ def fused_decode_step(model: Moondream, x: torch.Tensor, cache: PagedKVCache, in
         if block.tau is not None:  # Moondream 3's layers
             h = layer_norm(x, block.ln) if h is None else h
             x, h = _moondream3_layer(x, h, block, None if last else w.blocks[i + 1].ln, cfg, cache, i, inputs,
-                                     positions, context_splits, hidden_out if last else None, grouped, gemv,
-                                     lora[0].layer(i, lora[1]) if lora is not None else None)
+                                     positions, context_splits, hidden_out if last else None, grouped, gemv, rows)
             continue
         if one_kernel:
             out, g = norm_linear_attention(x, block.ln.weight, block.ln.bias, block.qkv.weight, block.qkv.bias,
@@ -163,7 +162,7 @@ def _tau(qkv: torch.Tensor, positions: torch.Tensor, tau, cfg, gemv: bool) -> to
 
 def _moondream3_layer(x: torch.Tensor, h: torch.Tensor, block, next_ln, cfg, cache: PagedKVCache, i: int,
                       inputs: "StepTensors", positions: torch.Tensor, context_splits: int | None,
-                      out: torch.Tensor | None, grouped: bool, gemv: bool, lora: ExpertLora | None = None):
+                      out: torch.Tensor | None, grouped: bool, gemv: bool, lora: SlotRows | None = None):
     """One Moondream 3 layer of a decode step on its normed input h: cuBLAS for qkv and proj, tau from each row's
     position (positions: its length less one; with gemv, one or two rows, in one kernel), the paged attention
     kernel, the dense MLP or the grouped expert kernels, then the residual and the next layer's norm (next_ln; None
@@ -171,7 +170,7 @@ def _moondream3_layer(x: torch.Tensor, h: torch.Tensor, block, next_ln, cfg, cac
     The MLP (router, experts) runs on a side stream beside the attention's kernels: both read h alone, and
     neither fills the GPU by itself (H100, batch 1: 1.62 against 2.25 ms a step; 64 rows 7.53 against 8.29)."""
     side = _side_stream(x.device) if x.is_cuda else None
-    mlp_out, top_k = _fork(side, _moondream3_mlp, h, block, lora)
+    mlp_out, top_k = _fork(side, _moondream3_mlp, h, block, i, lora)
     qkv = _tau(linear(h, block.qkv), positions, block.tau, cfg, gemv)
     attn = _decode_attention(qkv, cfg, cache, i, inputs, context_splits, grouped)
     proj = torch.addmm(block.proj.bias, attn, block.proj.weight.t())
@@ -195,22 +194,12 @@ def _decode_attention(qkv: torch.Tensor, cfg, cache: PagedKVCache, layer: int, i
                              inputs.sin)
 
 
-def _moondream3_mlp(h: torch.Tensor, block, lora: ExpertLora | None = None) -> tuple[torch.Tensor, int]:
+def _moondream3_mlp(h: torch.Tensor, block, i: int, lora: SlotRows | None = None) -> tuple[torch.Tensor, int]:
     """-> (the dense MLP's output, 0), or (each token's expert rows unsummed, top_k); lora: with each row's
     adapter's deltas."""
     if block.moe is None:
-        return (mlp(h, block.mlp) if lora is None else _dense_mlp_with_lora(h, block.mlp, lora)), 0
-    return moe_mlp_cuda(h, block.moe, summed=False, lora=lora), block.moe.top_k
-
-
-def _dense_mlp_with_lora(h: torch.Tensor, w, lora: ExpertLora) -> torch.Tensor:
-    """A dense MLP (one expert to moe_lora) with its fc1 deltas before the GELU and fc2's from its activations."""
-    g = linear(h, w.fc1)
-    pair_delta(h, lora.up_a, lora.up_bt, lora, g, h.shape[0])
-    a = F.gelu(g, approximate="tanh")
-    out = linear(a, w.fc2)
-    pair_delta(a, lora.down_a, lora.down_bt, lora, out, a.shape[0])
-    return out
+        return (mlp(h, block.mlp) if lora is None else mlp_with_lora(h, block.mlp, lora, i)), 0
+    return moe_mlp_cuda(h, block.moe, summed=False, lora=expert_lora(lora, i, h)), block.moe.top_k
 
 
 def _step_counters(layers: int, heads: int, rows: int, one_kernel: bool, greedy: bool, device):

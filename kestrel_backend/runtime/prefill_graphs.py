@@ -93,9 +93,7 @@ class PrefillGraphs:
     @property
     def takes_adapters(self) -> bool:
         """Whether steps with adapters run as graphs too: Moondream 3's, once their pool exists."""
-        from .expert_lora_pool import ExpertLoraPool
-
-        return self.adapters is not None and isinstance(self.adapters.pool, ExpertLoraPool)
+        return self.model.config.is_moondream3 and self.adapters is not None and self.adapters.pool is not None
 
     def _forward(self, rows: int, seqs: int, lora: bool = False) -> None:
         attention = _BucketAttention(self, rows, _work_items(rows, seqs))

@@ -684,8 +684,8 @@ class Scheduler:
         graphs = self.prefill_graphs
         if prefill and graphs is not None and (lora is None or graphs.takes_adapters) and not blocks and \
                 graphs.fits([len(p) for p in pieces]):
-            slots = [s.adapter.slot if s.adapter is not None else 0 for s in seqs] + [0] * len(ahead)
-            logits, hidden = graphs.run(x, slices, slots if lora is not None else None)
+            slots = None if lora is None else [s.adapter.slot if s.adapter else 0 for s in seqs] + [0] * len(ahead)
+            logits, hidden = graphs.run(x, slices, slots)
             return logits[:len(seqs)], hidden[:len(seqs)]
         pad = -x.shape[0] % self.eager_pad if prefill and self.eager_pad else 0
         if pad:  # (padded rows: computed, neither stored nor attended to, dropped; no adapter's span covers them)
