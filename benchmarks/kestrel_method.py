@@ -157,6 +157,7 @@ def run_engine(model, batch: int, mode: str, pairs, warmup, knobs: dict) -> dict
         groups = engine.scheduler.steps_by_prefixes_written - groups_before
     finally:
         engine.shutdown()
+        model.weights.vision.fp8 = None  # (KESTREL_VISION_FP8's weights: the next burst's engine makes its own)
     return {**summarize(mode, batch, pairs, [{"metrics": r.metrics} for r in results], wall),
             **knobs, "engine_start_s": start_s, "burst": spent | {"steps_by_image_prefixes_written": dict(groups)}}
 
@@ -275,6 +276,8 @@ def main() -> int:
                    help="KESTREL_MIXED_STEPS settings, each in turn on a burst of its own")
     p.add_argument("--prefix-ahead", type=int, nargs="+", default=[RuntimeConfig.prefix_ahead],
                    help="KESTREL_PREFIX_AHEAD settings, each in turn on a burst of its own")
+    p.add_argument("--vision-fp8", type=int, nargs="+", default=[RuntimeConfig.vision_fp8], choices=[0, 1],
+                   help="KESTREL_VISION_FP8 settings, each in turn on a burst of its own")
     p.add_argument("--fp8-experts", default="widen", choices=FP8_EXPERT_MODES,
                    help="what becomes of a checkpoint's FP8 experts (Kestrel's files): as KESTREL_FP8_EXPERTS")
     p.add_argument("--out", type=Path)
@@ -310,10 +313,11 @@ def main() -> int:
     rows = []
     for batch in args.batch_sizes:
         runs = itertools.product(args.modes, args.max_step_tokens, args.admit_groups, args.mixed_steps,
-                                 args.prefix_ahead)
-        for mode, budget, group, mixed, ahead in runs:
+                                 args.prefix_ahead, args.vision_fp8)
+        for mode, budget, group, mixed, ahead, vision_fp8 in runs:
             pairs = fresh_burst()
-            knobs = dict(max_step_tokens=budget, admit_group=group, mixed_steps=mixed, prefix_ahead=ahead)
+            knobs = dict(max_step_tokens=budget, admit_group=group, mixed_steps=mixed, prefix_ahead=ahead,
+                         vision_fp8=vision_fp8)
             row = run_engine(model, batch, mode, pairs, warmup, knobs)
             if ceilings:
                 tokens = [len(model.tokenizer.encode(q).ids) for _, q in pairs]
@@ -327,7 +331,7 @@ def main() -> int:
             rows += run_triton(batch, args.modes, fresh_burst, warmup, args.client_processes, args.checkpoint,
                                args.grpc_port)
             print(json.dumps(rows[-len(args.modes):]), flush=True)
-    print("\n| mode | batch | step budget, admit group, mixed, prefix ahead | req/s | engine P50 ms "
+    print("\n| mode | batch | step budget, admit group, mixed, prefix ahead, vision FP8 | req/s | engine P50 ms "
           "| engine TTFT p50 ms | floor req/s "
           "| Kestrel published req/s (P50) | ours / published | Kestrel here req/s (P50) | ours / here |\n"
           + "| --- " * 11 + "|")
@@ -337,7 +341,7 @@ def main() -> int:
         here = kestrel_side.get(mode, {}).get(str(r["batch"]))
         r["kestrel_published"], r["kestrel_here"] = pub, here
         print(f"| {r['mode']} | {r['batch']} | {r.get('max_step_tokens', '')}, {r.get('admit_group', '')}, "
-              f"{r.get('mixed_steps', '')}, {r.get('prefix_ahead', '')} | "
+              f"{r.get('mixed_steps', '')}, {r.get('prefix_ahead', '')}, {r.get('vision_fp8', '')} | "
               f"{r['req_per_s']:.1f} | "
               f"{r['engine_p50_ms']:.0f} | "
               f"{r['engine_ttft_p50_ms']:.0f} | {r.get('floor_req_per_s', float('nan')):.0f} | {_cell(pub)} | "

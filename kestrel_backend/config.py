@@ -87,6 +87,8 @@ class RuntimeConfig:
     fp8_experts: str = "widen"  # FP8 experts (Kestrel's Moondream 3 files) on a GPU: widen (to dtype, at load),
     # fp8 (kept FP8: 8 GB less, faster steps of many rows, slower one-row steps and prefills) or both (8 GB more than
     # widen: FP8 in steps of 2 to 128 tokens, widened elsewhere); PERFORMANCE.md has the figures
+    vision_fp8: int = 0  # 1: the vision encoder's qkv and fc1 matmuls in FP8 (GPUs with FP8 tensor cores, bf16
+    # models); README says what it costs in accuracy and gains in speed
     drain_timeout_s: int = 25  # a stopping server lets admitted requests run this long (below tritonserver's
     # --exit-timeout-secs, 30 by default), then ends the rest with an error
 
@@ -103,7 +105,7 @@ class RuntimeConfig:
         "adapter_dir": "KESTREL_ADAPTER_DIR", "max_adapters": "KESTREL_MAX_ADAPTERS",
         "max_adapter_rank": "KESTREL_MAX_ADAPTER_RANK", "image_workers": "KESTREL_IMAGE_WORKERS",
         "seg_refiner_path": "KESTREL_SEG_REFINER_PATH", "drain_timeout_s": "KESTREL_DRAIN_TIMEOUT_S",
-        "fp8_experts": "KESTREL_FP8_EXPERTS",
+        "fp8_experts": "KESTREL_FP8_EXPERTS", "vision_fp8": "KESTREL_VISION_FP8",
     }
 
     @classmethod
@@ -153,6 +155,8 @@ class RuntimeConfig:
                 raise ConfigError(f"{self.ENV[name]} must be 0 or positive, got {getattr(self, name)}")
         if self.prefix_ahead < -1:
             raise ConfigError(f"KESTREL_PREFIX_AHEAD must be -1 (by model), 0 or positive, got {self.prefix_ahead}")
+        if self.vision_fp8 not in (0, 1):
+            raise ConfigError(f"KESTREL_VISION_FP8 must be 0 or 1, got {self.vision_fp8}")
         if self.fp8_experts not in FP8_EXPERT_MODES:
             raise ConfigError(f"KESTREL_FP8_EXPERTS must be one of {', '.join(FP8_EXPERT_MODES)}, "
                               f"got {self.fp8_experts!r}")

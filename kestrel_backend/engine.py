@@ -78,6 +78,8 @@ class InferenceEngine:
         self.config = config
         self.model = model
         _use_device(model.device)  # (CUDA's current device is per thread: this one captures the graphs)
+        if config.vision_fp8:
+            _quantize_vision(model)
         text = model.config.text
         self.max_context = min(config.max_context or text.max_context, text.max_context)
         num_pages = config.kv_pages or default_kv_pages(self.max_context, config.page_size, config.max_batch_size)
@@ -406,6 +408,24 @@ class InferenceEngine:
             raise
         finally:
             self._admitting -= 1
+
+
+def _quantize_vision(model: Moondream) -> None:
+    """KESTREL_VISION_FP8: the vision encoder's qkv and fc1 matmuls in FP8, where the GPU has FP8 tensor cores."""
+    import torch
+
+    if model.device.type != "cuda" or torch.cuda.get_device_capability(model.device) < (8, 9):
+        raise ValueError("KESTREL_VISION_FP8=1 needs a GPU with FP8 tensor cores (compute capability 8.9 or later: "
+                         f"L4, L40S, H100, H200, B200); the model is on {model.device}")
+    if model.dtype != torch.bfloat16:
+        raise ValueError(f"KESTREL_VISION_FP8=1 needs KESTREL_DTYPE=bfloat16, not {model.dtype}")
+    if model.config.vision.enc_dim % 32:  # (the FP8 tensor cores' K step)
+        raise ValueError(f"KESTREL_VISION_FP8=1 needs a vision encoder width that is a multiple of 32, not "
+                         f"{model.config.vision.enc_dim}")
+    from .model.vision import quantize_encoder
+
+    quantize_encoder(model.weights.vision)
+    log.info("vision encoder: qkv and fc1 in FP8 (KESTREL_VISION_FP8)")
 
 
 # Tokens per batch slot in the default KV cache: Moondream 2's whole context. A model of longer context (Moondream

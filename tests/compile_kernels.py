@@ -33,12 +33,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key, make_backend
-from triton.runtime.jit import JITFunction
+from triton.runtime.jit import JITFunction, mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kestrel_backend.model.config import MoeConfig, TextConfig, VisionConfig
 from kestrel_backend.kernels.packed import PackedWeight
 from kestrel_backend.model.weights import Linear, MoE
-from kestrel_backend.kernels.layer_norm_cuda import shifted_layer_norm
+from kestrel_backend.kernels.fp8_linear import Fp8Weight, fp8_linear
+from kestrel_backend.kernels.layer_norm_cuda import shifted_layer_norm, shifted_layer_norm_fp8
 from kestrel_backend.kernels.rope_cuda import rope_qk_inplace
 from kestrel_backend.kernels.tau_cuda import tau_inplace, tau_rows
 from kestrel_backend.kernels import decode_kernels as dk
@@ -69,6 +71,8 @@ def _record(self, grid):
 def _type(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + DTYPES[value.dtype]
+    if isinstance(value, TensorDescriptor):  # (Hopper's TMA loads: the type names the block)
+        return mangle_type(value)
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
@@ -211,6 +215,12 @@ def launch_everything(capability: int) -> None:
             mk.gated_gelu_fp8(torch.zeros(pairs, 2 * moe.expert_inner_dim, **f))
         vision = torch.zeros(729, VisionConfig().enc_dim, **f)
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
+        if capability >= 89 and f["dtype"] == torch.bfloat16:  # (KESTREL_VISION_FP8: qkv and fc1, TMA from Hopper on)
+            v = VisionConfig()
+            x8, scale = shifted_layer_norm_fp8(vision, torch.zeros(vision.shape[1]), vision[0], vision[0])
+            for n, gelu in ((3 * v.enc_dim, False), (v.enc_ff_dim, True)):
+                w = Fp8Weight(torch.zeros(n, v.enc_dim, dtype=fp8), torch.ones(n))
+                fp8_linear(x8, scale, w, torch.zeros(n, **f), gelu=gelu, tma=capability >= 90)
 
 
 def compile_for(capability: int, recorded: dict) -> tuple[list[str], int, dict]:

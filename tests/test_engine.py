@@ -1256,3 +1256,14 @@ def test_moondream3_segment_decodes_refines_and_equals_kestrels_pipeline(tiny_di
 def test_segment_on_moondream2_names_the_skill_and_the_model(engine, tiny_dir):
     with pytest.raises(InvalidRequest, match="segment is not supported by Moondream 2"):
         asyncio.run(engine.segment((tiny_dir / "images/small.png").read_bytes(), "cat"))
+
+
+def test_fp8_vision_is_refused_where_it_cannot_run(tiny_model):
+    """KESTREL_VISION_FP8=1 on a device without FP8 tensor cores stops the engine at start with a message saying
+    why (the kernels are checked in test_gpu_kernels; a GPU run measures the path: benchmarks/vision_fp8.py)."""
+    with pytest.raises(ConfigError, match="KESTREL_VISION_FP8 must be 0 or 1"):
+        RuntimeConfig(vision_fp8=2).validate()
+    assert RuntimeConfig.from_sources({"KESTREL_VISION_FP8": "1"}).vision_fp8 == 1
+    with pytest.raises(ValueError, match="KESTREL_VISION_FP8=1 needs a GPU with FP8 tensor cores"):
+        InferenceEngine(RuntimeConfig(device="cpu", vision_fp8=1), tiny_model)
+    assert tiny_model.weights.vision.fp8 is None

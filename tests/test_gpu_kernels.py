@@ -1266,3 +1266,52 @@ def test_tau_of_a_few_rows_in_one_kernel_matches_the_torch_path(dtype):
     ref = torch.stack([q * scale_q[..., None], k, v * scale_v[..., None]], 1).view(rows, -1)
     assert torch.equal(got.view(rows, 3, heads, head_dim)[:, 1], k)
     assert rel_err(got.float(), ref.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_fp8_linear_applies_both_scales_the_bias_and_gelu(tma):
+    """KESTREL_VISION_FP8's GEMM (kernels/fp8_linear.py), by pointer loads (sm89) and by tensor descriptors
+    (Hopper): e4m3 rows times e4m3 output channels, each with its own scale, plus the bias and the tanh GELU, equal
+    the same matmul of the dequantised operands; edge tiles (rows and columns past a tile) are stored and no more."""
+    from kestrel_backend.kernels.fp8_linear import Fp8Weight, fp8_linear
+    from kestrel_backend.kernels.layer_norm_cuda import shifted_layer_norm_fp8
+
+    g = torch.Generator().manual_seed(5)
+    m, k, n = 131, 256, 200
+    x = torch.randn(m, k, generator=g) * torch.linspace(0.1, 8, m)[:, None]  # rows of other ranges
+    ln_w, ln_b = torch.randn(k, generator=g), torch.randn(k, generator=g)
+    shift = torch.randn(k, generator=g)
+    x8, x_scale = shifted_layer_norm_fp8(x, shift, ln_w, ln_b)
+    normed = F.layer_norm(x + shift, (k,), ln_w, ln_b)
+    assert x8.dtype == torch.float8_e4m3fn and rel_err(x_scale, normed.abs().amax(1) / 448) < 1e-6  # (e4m3's max)
+    want8 = (normed / x_scale[:, None]).to(torch.float8_e4m3fn)
+    assert rel_err(want8.float() * x_scale[:, None], normed) < 0.04  # (e4m3: 3 mantissa bits)
+    # Triton's interpreter rounds some values just under a power of two down a binade (124 -> 64); the GPU as torch
+    assert float((x8.float() != want8.float()).float().mean()) < 0.05
+    w = Fp8Weight.of(torch.randn(n, k, generator=g) * torch.linspace(0.01, 1, n)[:, None])
+    bias = torch.randn(n, generator=g)
+    dequantised = (x8.float() * x_scale[:, None]) @ (w.weight.float() * w.scale[:, None]).t() + bias
+    for gelu in (False, True):
+        got = fp8_linear(x8, x_scale, w, bias, gelu=gelu, out_dtype=torch.float32, tma=tma)
+        want = F.gelu(dequantised, approximate="tanh") if gelu else dequantised
+        assert got.shape == (m, n) and rel_err(got, want) < 1e-5
+
+
+def test_fp8_vision_blocks_follow_the_bf16_blocks(tiny_model):
+    """The encoder with qkv and fc1 in e4m3 (KESTREL_VISION_FP8) stays near the unquantised blocks and uses the
+    quantised weights (an fc1 weight zeroed in e4m3 alone moves the output)."""
+    from kestrel_backend.model import vision
+
+    v, w = tiny_model.config.vision, tiny_model.weights.vision
+    crops = torch.rand(2, 3, v.crop_size, v.crop_size, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    x = vision.embed_patches(crops, w, v)
+    want = vision._encode_blocks_cuda(x.clone(), w, v)
+    try:
+        vision.quantize_encoder(w)
+        got = vision._encode_blocks_cuda(x.clone(), w, v)
+        cosine = F.cosine_similarity(got.flatten(1), want.flatten(1), dim=1)
+        assert rel_err(got, want) < 0.1 and bool((cosine > 0.99).all()), (rel_err(got, want), cosine)
+        w.fp8[3].fc1.weight.zero_()
+        assert rel_err(vision._encode_blocks_cuda(x.clone(), w, v), got) > 1e-3
+    finally:
+        w.fp8 = None

@@ -2,7 +2,9 @@
 
 The vision encoder on the GPU lets its GEMMs add their output straight onto the residual stream
 (beta = 1, in place) and leaves their biases out; the sum of the biases so far is the shift that the
-next norm adds back. That saves the two elementwise residual adds of every layer."""
+next norm adds back. That saves the two elementwise residual adds of every layer. With KESTREL_VISION_FP8 the norm
+also quantises its output to e4m3 row by row (the row is in registers: no pass of its own) for the FP8 GEMM after it
+(kernels/fp8_linear.py)."""
 
 import torch
 import triton
@@ -10,8 +12,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _shifted_layer_norm_kernel(x_ptr, shift_ptr, w_ptr, b_ptr, out_ptr, rows_total, eps, D: tl.constexpr,
-                               BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+def _shifted_layer_norm_kernel(x_ptr, shift_ptr, w_ptr, b_ptr, out_ptr, scale_ptr, rows_total, eps, D: tl.constexpr,
+                               BLOCK_D: tl.constexpr, ROWS: tl.constexpr, QUANTIZE: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -24,7 +26,12 @@ def _shifted_layer_norm_kernel(x_ptr, shift_ptr, w_ptr, b_ptr, out_ptr, rows_tot
     rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / D + eps)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (d * rstd[:, None] * w[None, :] + b[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    y = d * rstd[:, None] * w[None, :] + b[None, :]
+    if QUANTIZE:  # (per row: y = e4m3 * scale)
+        scale = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), 1) / 448.0, 1e-12)
+        tl.store(scale_ptr + rows, scale, mask=rows < rows_total)
+        y = y / scale[:, None]
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def shifted_layer_norm(x: torch.Tensor, shift: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -35,8 +42,24 @@ def shifted_layer_norm(x: torch.Tensor, shift: torch.Tensor, weight: torch.Tenso
     assert x.is_contiguous() and shift.dtype == torch.float32
     out = torch.empty_like(x) if out is None else out
     assert out.shape == x.shape and out.is_contiguous()
+    _launch(x, shift, weight, bias, eps, out, out)
+    return out
+
+
+def shifted_layer_norm_fp8(x: torch.Tensor, shift: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                           eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same norm as (e4m3 [R, D], float32 scale [R]): row r is e4m3[r] * scale[r]."""
+    assert x.is_contiguous() and shift.dtype == torch.float32
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    _launch(x, shift, weight, bias, eps, out, scale, quantize=True)
+    return out, scale
+
+
+def _launch(x, shift, weight, bias, eps, out, scale, quantize: bool = False) -> None:
+    rows, dim = x.shape
     block_d = triton.next_power_of_2(dim)
     per_program = max(1, 4096 // block_d)
-    _shifted_layer_norm_kernel[(triton.cdiv(rows, per_program),)](x, shift, weight, bias, out, rows, eps, D=dim,
-                                                                 BLOCK_D=block_d, ROWS=per_program, num_warps=4)
-    return out
+    _shifted_layer_norm_kernel[(triton.cdiv(rows, per_program),)](x, shift, weight, bias, out, scale, rows, eps,
+                                                                 D=dim, BLOCK_D=block_d, ROWS=per_program,
+                                                                 QUANTIZE=quantize, num_warps=4)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from .config import VisionConfig
 from .image_crops import overlap_crops, reconstruct
 from .layers import layer_norm, linear, mlp, mlp_hidden
-from .weights import VisionWeights
+from .weights import Fp8Blocks, VisionWeights
 
 
 CROPS_PER_BATCH = 64  # bounds the encoder's activation memory when many images arrive at once
@@ -54,9 +54,24 @@ def embed_patches(crops: torch.Tensor, w: VisionWeights, config: VisionConfig) -
 
 def _attend_heads(x: torch.Tensor, qkv, n_heads: int) -> torch.Tensor:
     """Multi-head self-attention before the output projection: [B, N, D] -> [B, N, D]."""
-    b, n, d = x.shape
-    q, k, v = (t.view(b, n, n_heads, d // n_heads).transpose(1, 2) for t in linear(x, qkv).chunk(3, dim=-1))
+    return _attend(linear(x, qkv), n_heads)
+
+
+def _attend(qkv: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[B, N, 3D] q, k, v -> the heads' attention [B, N, D]."""
+    b, n, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    q, k, v = (t.view(b, n, n_heads, d // n_heads).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+
+
+def quantize_encoder(w: VisionWeights) -> None:
+    """KESTREL_VISION_FP8: the blocks' qkv and fc1 weights in e4m3 too, per output channel. Those two matmuls take
+    their input from a layer norm, which quantises it on the way out; proj's and fc2's inputs (attention, GELU) would
+    need passes of their own that cost more than FP8 saves (PERFORMANCE.md). The bf16 weights stay (the CPU path
+    and the other matmuls use them)."""
+    from ..kernels.fp8_linear import Fp8Weight
+
+    w.fp8 = [Fp8Blocks(Fp8Weight.of(b.qkv.weight), Fp8Weight.of(b.mlp.fc1.weight)) for b in w.blocks]
 
 
 def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig,
@@ -79,15 +94,25 @@ def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig,
                         out: torch.Tensor | None = None, early: dict | None = None) -> torch.Tensor:
     """The same blocks with the residual adds done by the output GEMMs (in place, beta = 1). Their biases
     are left out of the stream and added back by the next norm: w.bias_sums[i] sums all biases before it."""
-    from ..kernels.layer_norm_cuda import shifted_layer_norm
+    from ..kernels.fp8_linear import fp8_linear
+    from ..kernels.layer_norm_cuda import shifted_layer_norm, shifted_layer_norm_fp8
 
     b, n, d = x.shape
     x = x.view(b * n, d)
     for i, block in enumerate(w.blocks):
-        h = shifted_layer_norm(x, w.bias_sums[2 * i], block.ln1.weight, block.ln1.bias)
-        x.addmm_(_attend_heads(h.view(b, n, d), block.qkv, config.enc_n_heads).view(b * n, d), block.proj.weight.t())
-        h = shifted_layer_norm(x, w.bias_sums[2 * i + 1], block.ln2.weight, block.ln2.bias)
-        x.addmm_(mlp_hidden(h, block.mlp), block.mlp.fc2.weight.t())
+        shift1, shift2 = w.bias_sums[2 * i], w.bias_sums[2 * i + 1]
+        if w.fp8 is None:
+            qkv = linear(shifted_layer_norm(x, shift1, block.ln1.weight, block.ln1.bias), block.qkv)
+        else:
+            h8, scale = shifted_layer_norm_fp8(x, shift1, block.ln1.weight, block.ln1.bias)
+            qkv = fp8_linear(h8, scale, w.fp8[i].qkv, block.qkv.bias, out_dtype=x.dtype)
+        x.addmm_(_attend(qkv.view(b, n, 3 * d), config.enc_n_heads).view(b * n, d), block.proj.weight.t())
+        if w.fp8 is None:
+            hidden = mlp_hidden(shifted_layer_norm(x, shift2, block.ln2.weight, block.ln2.bias), block.mlp)
+        else:
+            h8, scale = shifted_layer_norm_fp8(x, shift2, block.ln2.weight, block.ln2.bias)
+            hidden = fp8_linear(h8, scale, w.fp8[i].fc1, block.mlp.fc1.bias, gelu=True, out_dtype=x.dtype)
+        x.addmm_(hidden, block.mlp.fc2.weight.t())
         if early is not None and i in early:  # (a copy, with the biases the stream leaves out)
             early[i] = (x.float() + w.bias_sums[2 * i + 2]).to(x.dtype).view(b, n, d)
     return shifted_layer_norm(x, w.bias_sums[-1], w.post_ln.weight, w.post_ln.bias,

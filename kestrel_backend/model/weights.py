@@ -70,6 +70,14 @@ class VisionWeights:
     post_ln: LayerNorm
     proj_mlp: MLP
     bias_sums: torch.Tensor  # float32 [2 * layers + 1, dim]: row i sums the first i residual biases (proj, fc2, ...)
+    fp8: list | None = None  # per block, Fp8Blocks: KESTREL_VISION_FP8 (vision.quantize_encoder)
+
+
+@dataclass
+class Fp8Blocks:
+    """A vision block's matmuls kept in e4m3 too (kernels.fp8_linear.Fp8Weight)."""
+    qkv: object
+    fc1: object
 
 
 @dataclass
