@@ -157,7 +157,6 @@ def run_engine(model, batch: int, mode: str, pairs, warmup, knobs: dict) -> dict
         groups = engine.scheduler.steps_by_prefixes_written - groups_before
     finally:
         engine.shutdown()
-        model.weights.vision.fp8 = None  # (KESTREL_VISION_FP8's weights: the next burst's engine makes its own)
     return {**summarize(mode, batch, pairs, [{"metrics": r.metrics} for r in results], wall),
             **knobs, "engine_start_s": start_s, "burst": spent | {"steps_by_image_prefixes_written": dict(groups)}}
 

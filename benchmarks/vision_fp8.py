@@ -49,7 +49,6 @@ def answers(model, images: list[bytes], fp8: bool) -> list[list[int]]:
         return [r.token_ids for r in asyncio.run(ask())]
     finally:
         engine.shutdown()
-        model.weights.vision.fp8 = None
 
 
 def golden(fixture_name: str) -> dict:

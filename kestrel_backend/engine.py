@@ -80,6 +80,8 @@ class InferenceEngine:
         _use_device(model.device)  # (CUDA's current device is per thread: this one captures the graphs)
         if config.vision_fp8:
             _quantize_vision(model)
+        else:  # (a model an earlier engine quantised: this engine's setting decides)
+            model.weights.vision.fp8 = None
         text = model.config.text
         self.max_context = min(config.max_context or text.max_context, text.max_context)
         num_pages = config.kv_pages or default_kv_pages(self.max_context, config.page_size, config.max_batch_size)

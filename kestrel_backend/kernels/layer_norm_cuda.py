@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_kernels import _fp8_rows
+
 
 @triton.jit
 def _shifted_layer_norm_kernel(x_ptr, shift_ptr, w_ptr, b_ptr, out_ptr, scale_ptr, rows_total, eps, D: tl.constexpr,
@@ -28,9 +30,8 @@ def _shifted_layer_norm_kernel(x_ptr, shift_ptr, w_ptr, b_ptr, out_ptr, scale_pt
     b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = d * rstd[:, None] * w[None, :] + b[None, :]
     if QUANTIZE:  # (per row: y = e4m3 * scale)
-        scale = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), 1) / 448.0, 1e-12)
+        y, scale = _fp8_rows(tl.where(mask, y, 0.0))
         tl.store(scale_ptr + rows, scale, mask=rows < rows_total)
-        y = y / scale[:, None]
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
