@@ -10,6 +10,8 @@
          how often Triton gives both to the same engine)
     python benchmarks/triton_bench.py --gpus 2 4 --one-server-per-gpu --fresh-images --questions-per-image 2
         (instead, 2 and then 4 servers of one GPU each behind one gateway, which routes each request by its image)
+    python benchmarks/triton_bench.py --fresh-images --concurrency 64 --max-tokens 3 --vision-fp8 0 1
+        (a server with each KESTREL_VISION_FP8 setting, one after the other)
 
 Writes a FULL-SIZE Moondream 2 checkpoint of random bf16 weights (with the fixture's tokenizer) to a
 temporary folder, starts tritonserver on model_repository/ with it (kestrel_backend.triton.local_server),
@@ -30,6 +32,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -312,6 +315,9 @@ def level(url: str, images: list[bytes], concurrency: int, max_tokens: int, pool
     # difference is the time outside the engine (network, Triton's queue, parsing, sending the first chunk)
     row["engine_ttft_p50_ms"] = statistics.median(r["engine_ttft_ms"] for r in results)
     row["ttft_outside_engine_p50_ms"] = statistics.median(r["ttft_ms"] - r["engine_ttft_ms"] for r in results)
+    # Little's law: a closed loop of `concurrency` streams at this rate holds each request this long on average, the
+    # bound a TTFT nears when the rest of a request (3 tokens) is short
+    row["littles_law_ms"] = 1000 * concurrency / row["req_per_s"]
     return row
 
 
@@ -343,6 +349,8 @@ def main() -> int:
                    "HTTP and server-sent events), right after it over gRPC")
     p.add_argument("--one-server-per-gpu", action="store_true", help="with --gpus: N servers of one GPU each behind "
                    "one gateway (which routes by image), every level through the gateway, instead of one server on N")
+    p.add_argument("--vision-fp8", type=int, nargs="+", choices=[0, 1], help="a server with each KESTREL_VISION_FP8 "
+                   "setting, one after the other (default: as the environment says)")
     args = p.parse_args()
     per_stream, repeat = args.requests_per_stream, args.questions_per_image
     cached, seen = (None if args.fresh_images else query_images()), 0
@@ -364,7 +372,9 @@ def main() -> int:
         if checkpoint is None:  # written once for every server of the run
             checkpoint = Path(tmp)
             write_checkpoint(checkpoint, args.model)
-        for gpus in args.gpus or [None]:
+        for gpus, vision_fp8 in itertools.product(args.gpus or [None], args.vision_fp8 or [None]):
+            if vision_fp8 is not None:  # (the servers' environment is this process's)
+                os.environ["KESTREL_VISION_FP8"] = str(vision_fp8)
             # one server on `gpus` GPUs, or with --one-server-per-gpu, `gpus` servers of one GPU each behind the gateway
             n_servers = gpus if args.one_server_per_gpu else 1
             all_ports = [tuple(port + 10 * i for port in ports) for i in range(n_servers)]
@@ -408,20 +418,23 @@ def main() -> int:
                                         servers=n_servers)
                         rows[-1]["prefix_hit_rate"] = rows[-1]["prefix_cache_hits"] / rows[-1]["requests"]
             stopped = stopped[0] if n_servers == 1 else stopped
-            runs.append({"gpus": gpus, "ready_s": ready_s, "levels": rows, "stopped": stopped})
+            runs.append({"gpus": gpus, "vision_fp8": vision_fp8, "ready_s": ready_s, "levels": rows,
+                         "stopped": stopped})
             if args.out:  # (after every server: a later one failing keeps what was measured)
                 args.out.write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
                                                 "fresh_images": args.fresh_images, "questions_per_image": repeat,
                                                 "client_processes": args.client_processes,
                                                 "requests_per_stream": per_stream, "runs": runs}, indent=1))
-    print("| GPUs | path | concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | engine TTFT p50 ms | "
-          "outside the engine p50 ms | prefix hits / request | Triton queue ms | client CPU share |\n"
-          + "| --- " * 13 + "|")
+    print("| GPUs | FP8 vision | path | concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | "
+          "Little's law ms | engine TTFT p50 ms | outside the engine p50 ms | prefix hits / request | "
+          "Triton queue ms | client CPU share |\n" + "| --- " * 15 + "|")
     for run in runs:
         for r in run["levels"]:
-            print(f"| {run['gpus'] or ''} | {r['path']} | {r['concurrency']} | {r['requests']} | {r['req_per_s']:.1f} | "
-                  f"{r['output_tok_per_s']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
-                  f"{r['engine_ttft_p50_ms']:.0f} | {r['ttft_outside_engine_p50_ms']:.1f} | "
+            fp8 = "" if run["vision_fp8"] is None else run["vision_fp8"]
+            print(f"| {run['gpus'] or ''} | {fp8} | {r['path']} | {r['concurrency']} | {r['requests']} | "
+                  f"{r['req_per_s']:.1f} | {r['output_tok_per_s']:.0f} | {r['ttft_p50_ms']:.0f} | "
+                  f"{r['ttft_p95_ms']:.0f} | {r['littles_law_ms']:.0f} | {r['engine_ttft_p50_ms']:.0f} | "
+                  f"{r['ttft_outside_engine_p50_ms']:.1f} | "
                   f"{r['prefix_hit_rate']:.2f} | {r['triton_queue_mean_ms']:.1f} | {r['client_cpu_share']:.2f} |")
     if any(stop["stub_fatal_errors"] or stop["killed"] for run in runs
            for stop in (run["stopped"] if isinstance(run["stopped"], list) else [run["stopped"]])):

@@ -11,8 +11,9 @@ import triton.language as tl
 
 from . import decode_kernels
 
-# query rows and key rows per tile, warps, pipeline stages (H100, 1 / 4 / 16 prefills of 742 tokens: 25 / 90 /
-# 315 us per layer, against 82 / 275 / 1064 for the torch path; 128-row tiles and 8 warps were slower)
+# query rows and key rows per tile, warps, pipeline stages (H100, 1 / 4 / 16 prefills of 742 tokens: 27.7 / 90.6 /
+# 312 us per layer, 33.6 / 110 / 390 with every key tile masked; 128-row tiles, 8 warps, 128 keys a tile or 2 to 4
+# stages were slower or within 4%: benchmarks/results/h100_2026-11-28_image_path.json)
 BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 4, 3
 # cached positions per tile of the loop over them (H100, 1 / 4 / 8 sequences of 22 rows after 720 cached
 # positions: 11.3 / 12.6 / 24.8 us per layer with 128, 13.3 / 14.4 / 28.0 with 64, 16.7 / 17.6 / 33.7 with 32)
@@ -26,9 +27,12 @@ WORK_FIELDS = 6
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-    """One key tile of the online softmax (base 2): the running maximum, sum and output of each row."""
-    s = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, float("-inf"))
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
+    """One key tile of the online softmax (base 2): the running maximum, sum and output of each row. visible: which
+    keys each row sees, if MASKED (else all)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -78,8 +82,16 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride,
         k = tl.load(k_cache_ptr + rows + head, mask=n_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows + head, mask=n_mask[:, None], other=0.0)
         m_i, l_i, acc = _attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, scale, PRECISION)
+    # key tiles every row of the tile sees whole (below the image prefix's end, or the first row's position if the
+    # tile starts past it) need no mask; the rest do
+    whole = tl.minimum(tl.where(q_lo < prefix, prefix, q_lo + 1), length) // BLOCK_N * BLOCK_N
+    for kv_lo in range(0, whole, BLOCK_N):
+        rows = (start + kv_lo + tl.arange(0, BLOCK_N))[:, None]
+        k = tl.load(k_ptr + rows * k_stride + head)
+        v = tl.load(v_ptr + rows * v_stride + head)
+        m_i, l_i, acc = _attend_tile(q, k, v, None, m_i, l_i, acc, scale, PRECISION, MASKED=False)
     in_prefix = offs_m[:, None] < prefix
-    for kv_lo in range(0, tl.minimum(length, tl.maximum(prefix, q_lo + BLOCK_M)), BLOCK_N):
+    for kv_lo in range(whole, tl.minimum(length, tl.maximum(prefix, q_lo + BLOCK_M)), BLOCK_N):
         offs_n = kv_lo + tl.arange(0, BLOCK_N)
         n_mask = offs_n < length
         rows = (start + offs_n)[:, None]
