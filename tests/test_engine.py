@@ -237,6 +237,20 @@ def test_overload_rejects_only_the_excess(tiny_dir):
         eng.shutdown()
 
 
+def slow_decodes(engine, monkeypatch) -> list:
+    """The images the engine decodes from now on, each decode taking 0.2 s (as a real image's may): requests sent
+    together all arrive while it runs, not after a broken image failed in microseconds (which then rightly decodes
+    again)."""
+    decoded, crop = [], engine._crop
+
+    def slow_crop(data):
+        decoded.append(data)
+        time.sleep(0.2)
+        return crop(data)
+    monkeypatch.setattr(engine, "_crop", slow_crop)
+    return decoded
+
+
 def test_same_image_is_decoded_and_encoded_once(engine, monkeypatch):
     import numpy as np
     import pyvips
@@ -244,9 +258,7 @@ def test_same_image_is_decoded_and_encoded_once(engine, monkeypatch):
     pixels = np.random.default_rng(11).integers(0, 256, (200, 500, 3), dtype=np.uint8)
     image = pyvips.Image.new_from_array(pixels).pngsave_buffer()
     before = engine.stats()["images_encoded"]
-    decoded = []
-    crop = engine._crop
-    monkeypatch.setattr(engine, "_crop", lambda data: decoded.append(data) or crop(data))
+    decoded = slow_decodes(engine, monkeypatch)
 
     async def run():
         return await asyncio.gather(*[engine.query(image, f"q{i}", settings={"max_tokens": 2}) for i in range(5)])
@@ -556,9 +568,7 @@ def test_a_burst_on_one_new_image_decodes_it_once_and_survives_a_cancel(engine, 
 
     image = pyvips.Image.new_from_array(
         np.random.default_rng(12).integers(0, 256, (300, 400, 3), dtype=np.uint8)).jpegsave_buffer()
-    decoded = []
-    crop = engine._crop
-    monkeypatch.setattr(engine, "_crop", lambda data: decoded.append(data) or crop(data))
+    decoded = slow_decodes(engine, monkeypatch)
 
     async def run():
         tasks = [asyncio.create_task(engine.query(image, f"q{i}", settings={"max_tokens": 2})) for i in range(6)]
