@@ -1,4 +1,4 @@
-"""The opt-in FP8 vision path (KESTREL_VISION_FP8: qkv and fc1 in e4m3) against bf16, on one GPU:
+"""The opt-in FP8 vision path (KESTREL_VISION_FP8: qkv, fc1 and fc2 in e4m3) against bf16, on one GPU:
 1. speed: the encoder's CUDA graphs on 13 and 52 crops (gpu_bench.vision_bench), both ways, beside the bf16 floor
    (Moondream 2 full-size random weights; Moondream 3's encoder is the same network);
 2. accuracy on full-size random weights: the image embeddings of fresh chart images (cosine similarity per image and

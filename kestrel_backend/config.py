@@ -87,7 +87,7 @@ class RuntimeConfig:
     fp8_experts: str = "widen"  # FP8 experts (Kestrel's Moondream 3 files) on a GPU: widen (to dtype, at load),
     # fp8 (kept FP8: 8 GB less, faster steps of many rows, slower one-row steps and prefills) or both (8 GB more than
     # widen: FP8 in steps of 2 to 128 tokens, widened elsewhere); PERFORMANCE.md has the figures
-    vision_fp8: int = 0  # 1: the vision encoder's qkv and fc1 matmuls in FP8 (GPUs with FP8 tensor cores, bf16
+    vision_fp8: int = 0  # 1: the vision encoder's qkv, fc1 and fc2 matmuls in FP8 (GPUs with FP8 tensor cores, bf16
     # models); README says what it costs in accuracy and gains in speed
     drain_timeout_s: int = 25  # a stopping server lets admitted requests run this long (below tritonserver's
     # --exit-timeout-secs, 30 by default), then ends the rest with an error

@@ -413,7 +413,7 @@ class InferenceEngine:
 
 
 def _quantize_vision(model: Moondream) -> None:
-    """KESTREL_VISION_FP8: the vision encoder's qkv and fc1 matmuls in FP8, where the GPU has FP8 tensor cores."""
+    """KESTREL_VISION_FP8: the vision encoder's qkv, fc1 and fc2 matmuls in FP8, where the GPU has FP8 tensor cores."""
     import torch
 
     if model.device.type != "cuda" or torch.cuda.get_device_capability(model.device) < (8, 9):
@@ -427,7 +427,7 @@ def _quantize_vision(model: Moondream) -> None:
     from .model.vision import quantize_encoder
 
     quantize_encoder(model.weights.vision)
-    log.info("vision encoder: qkv and fc1 in FP8 (KESTREL_VISION_FP8)")
+    log.info("vision encoder: qkv, fc1 and fc2 in FP8 (KESTREL_VISION_FP8)")
 
 
 # Tokens per batch slot in the default KV cache: Moondream 2's whole context. A model of longer context (Moondream

@@ -41,6 +41,7 @@ from kestrel_backend.kernels.packed import PackedWeight
 from kestrel_backend.model.weights import Linear, MoE
 from kestrel_backend.kernels.fp8_linear import Fp8Weight, fp8_linear
 from kestrel_backend.kernels.layer_norm_cuda import shifted_layer_norm, shifted_layer_norm_fp8
+from kestrel_backend.model import vision as vision_model
 from kestrel_backend.kernels.rope_cuda import rope_qk_inplace
 from kestrel_backend.kernels.tau_cuda import tau_inplace, tau_rows
 from kestrel_backend.kernels import decode_kernels as dk
@@ -215,12 +216,19 @@ def launch_everything(capability: int) -> None:
             mk.gated_gelu_fp8(torch.zeros(pairs, 2 * moe.expert_inner_dim, **f))
         vision = torch.zeros(729, VisionConfig().enc_dim, **f)
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
-        if capability >= 89 and f["dtype"] == torch.bfloat16:  # (KESTREL_VISION_FP8: qkv and fc1, TMA from Hopper on)
+        if capability >= 89 and f["dtype"] == torch.bfloat16:  # (KESTREL_VISION_FP8: TMA from Hopper on)
             v = VisionConfig()
-            x8, scale = shifted_layer_norm_fp8(vision, torch.zeros(vision.shape[1]), vision[0], vision[0])
-            for n, gelu in ((3 * v.enc_dim, False), (v.enc_ff_dim, True)):
-                w = Fp8Weight(torch.zeros(n, v.enc_dim, dtype=fp8), torch.ones(n))
-                fp8_linear(x8, scale, w, torch.zeros(n, **f), gelu=gelu, tma=capability >= 90)
+            tma = capability >= 90
+            zeros = torch.zeros(vision.shape[1])
+            x8, scale = shifted_layer_norm_fp8(vision, zeros, vision[0], vision[0])
+            w = Fp8Weight(torch.zeros(3 * v.enc_dim, v.enc_dim, dtype=fp8), torch.ones(3 * v.enc_dim))
+            fp8_linear(x8, scale, w, torch.zeros(3 * v.enc_dim, **f), tma=tma)  # qkv
+            x8, scale, bound = shifted_layer_norm_fp8(vision, zeros, vision[0], vision[0], gelu_bound=(1.0, 1.0))
+            ff = v.enc_ff_dim + -v.enc_ff_dim % vision_model.FP8_FF_STEP
+            w = Fp8Weight(torch.zeros(ff, v.enc_dim, dtype=fp8), torch.ones(ff))
+            hidden8 = fp8_linear(x8, scale, w, torch.zeros(ff, **f), gelu=True, out_scale=bound, tma=tma)  # fc1
+            w = Fp8Weight(torch.zeros(v.enc_dim, ff, dtype=fp8), torch.ones(v.enc_dim))
+            fp8_linear(hidden8, bound, w, None, accumulate=vision, tma=tma)  # fc2, onto the residual stream
 
 
 def compile_for(capability: int, recorded: dict) -> tuple[list[str], int, dict]:

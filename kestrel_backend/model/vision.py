@@ -64,14 +64,26 @@ def _attend(qkv: torch.Tensor, n_heads: int) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
 
 
+FP8_FF_STEP = 128  # the MLP's inner width in e4m3 is padded with zeros to a multiple of this: fc2's K step
+
+
 def quantize_encoder(w: VisionWeights) -> None:
-    """KESTREL_VISION_FP8: the blocks' qkv and fc1 weights in e4m3 too, per output channel. Those two matmuls take
-    their input from a layer norm, which quantises it on the way out; proj's and fc2's inputs (attention, GELU) would
-    need passes of their own that cost more than FP8 saves (PERFORMANCE.md). The bf16 weights stay (the CPU path
-    and the other matmuls use them)."""
+    """KESTREL_VISION_FP8: the blocks' qkv, fc1 and fc2 weights in e4m3 too, per output channel. qkv and fc1 take their
+    input from a layer norm, which quantises it on the way out; fc1 writes its GELU output in e4m3 for fc2, at row
+    scales that the norm bounds (layer_norm_cuda). proj's input (attention) would need a pass of its own, which costs
+    more than FP8 saves (PERFORMANCE.md). The bf16 weights stay (the CPU path and proj use them)."""
+    w.fp8 = [_fp8_block(b) for b in w.blocks]
+
+
+def _fp8_block(block) -> Fp8Blocks:
     from ..kernels.fp8_linear import Fp8Weight
 
-    w.fp8 = [Fp8Blocks(Fp8Weight.of(b.qkv.weight), Fp8Weight.of(b.mlp.fc1.weight)) for b in w.blocks]
+    pad = -block.mlp.fc1.weight.shape[0] % FP8_FF_STEP  # (zero rows of fc1 give gelu(0) = 0: fc2 adds nothing)
+    fc1 = Fp8Weight.of(F.pad(block.mlp.fc1.weight, (0, 0, 0, pad)))
+    fc1_bias = F.pad(block.mlp.fc1.bias, (0, pad))
+    longest_row = (fc1.weight.float() * fc1.scale[:, None]).norm(dim=1).max()
+    return Fp8Blocks(Fp8Weight.of(block.qkv.weight), fc1, fc1_bias, Fp8Weight.of(F.pad(block.mlp.fc2.weight, (0, pad))),
+                     (float(longest_row), float(fc1_bias.float().abs().max())))
 
 
 def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig,
@@ -109,10 +121,13 @@ def _encode_blocks_cuda(x: torch.Tensor, w: VisionWeights, config: VisionConfig,
         x.addmm_(_attend(qkv.view(b, n, 3 * d), config.enc_n_heads).view(b * n, d), block.proj.weight.t())
         if w.fp8 is None:
             hidden = mlp_hidden(shifted_layer_norm(x, shift2, block.ln2.weight, block.ln2.bias), block.mlp)
+            x.addmm_(hidden, block.mlp.fc2.weight.t())
         else:
-            h8, scale = shifted_layer_norm_fp8(x, shift2, block.ln2.weight, block.ln2.bias)
-            hidden = fp8_linear(h8, scale, w.fp8[i].fc1, block.mlp.fc1.bias, gelu=True, out_dtype=x.dtype)
-        x.addmm_(hidden, block.mlp.fc2.weight.t())
+            f = w.fp8[i]
+            h8, scale, hidden_scale = shifted_layer_norm_fp8(x, shift2, block.ln2.weight, block.ln2.bias,
+                                                             gelu_bound=f.gelu_bound)
+            hidden8 = fp8_linear(h8, scale, f.fc1, f.fc1_bias, gelu=True, out_scale=hidden_scale)
+            fp8_linear(hidden8, hidden_scale, f.fc2, None, accumulate=x)
         if early is not None and i in early:  # (a copy, with the biases the stream leaves out)
             early[i] = (x.float() + w.bias_sums[2 * i + 2]).to(x.dtype).view(b, n, d)
     return shifted_layer_norm(x, w.bias_sums[-1], w.post_ln.weight, w.post_ln.bias,

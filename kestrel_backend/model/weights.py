@@ -75,9 +75,12 @@ class VisionWeights:
 
 @dataclass
 class Fp8Blocks:
-    """A vision block's matmuls kept in e4m3 too (kernels.fp8_linear.Fp8Weight)."""
+    """A vision block's matmuls kept in e4m3 too (kernels.fp8_linear.Fp8Weight; model/vision.quantize_encoder)."""
     qkv: object
-    fc1: object
+    fc1: object  # its rows, and so fc2's columns, padded with zeros to a multiple of vision.FP8_FF_STEP
+    fc1_bias: torch.Tensor  # padded alike
+    fc2: object
+    gelu_bound: tuple[float, float]  # (fc1's longest row, its largest bias): layer_norm_cuda bounds fc1's output
 
 
 @dataclass
