@@ -2,7 +2,8 @@
 
     python benchmarks/triton_bench.py [--concurrency 1 4 16 64] [--max-tokens 64] [--out results.json]
     python benchmarks/triton_bench.py --checkpoint tests/fixtures/md2-tiny --concurrency 1 2  (CPU smoke run)
-    python benchmarks/triton_bench.py --fresh-images  (every request a new image: no image or prefix cache hits)
+    python benchmarks/triton_bench.py --fresh-images  (every request a new image: no image or prefix cache hits; on a
+        GPU each level's floor too, fresh_floor, and Little's law's time per request at it)
     python benchmarks/triton_bench.py --requests-per-stream 8  (longer levels: a closed loop's steady state)
     python benchmarks/triton_bench.py --gpus 1 2 4 --fresh-images --questions-per-image 2 --model moondream3
         (one server after another on 1, 2 and 4 GPUs of this machine, the several-GPU config past one; two
@@ -53,6 +54,23 @@ from client import build_inputs, response_body  # noqa: E402
 from client.metrics import metric_sum, scrape  # noqa: E402
 from kestrel_backend.config import TINY_CHECKPOINT  # noqa: E402
 from kestrel_backend.triton.local_server import server_command  # noqa: E402
+
+
+QUESTION = "Describe this image."
+
+
+def fresh_floor(family: str, images: list[bytes], concurrency: int, max_tokens: int, ceilings: dict) -> float:
+    """The GPU floor of a level of fresh images, req/s: every image's crops through the vision encoder and its
+    prefix and question prefilled (a second question on an image only its own tokens), over the bf16 matmul rate,
+    plus the decode steps' bytes over the copy rate (kestrel_method.floor_s, the Kestrel-method bursts' floor)."""
+    from benchmarks.kestrel_method import floor_s
+    from kestrel_backend.model.config import MoondreamConfig
+    from kestrel_backend.model.tokenizer import load_tokenizer
+
+    question = len(load_tokenizer(TINY_CHECKPOINT).encode(QUESTION).ids)
+    pairs = [(image, QUESTION) for image in images]
+    return len(pairs) / floor_s(MoondreamConfig.official(family), pairs, [question] * len(pairs), max_tokens,
+                                concurrency, ceilings)
 
 
 def write_checkpoint(folder: Path, family: str = "moondream2") -> None:
@@ -173,7 +191,7 @@ def server_means(before: dict, after: dict) -> dict:
 async def one_request(client, image: bytes, max_tokens: int) -> dict:
     async def request():
         yield {"model_name": "moondream", "request_id": uuid.uuid4().hex, "inputs": build_inputs(
-            "query", image=image, question="Describe this image.", stream=True,
+            "query", image=image, question=QUESTION, stream=True,
             settings={"temperature": 0, "max_tokens": max_tokens})}
 
     t0 = time.perf_counter()
@@ -200,7 +218,7 @@ async def one_request(client, image: bytes, max_tokens: int) -> dict:
 async def one_http_request(http, url: str, image: bytes, max_tokens: int) -> dict:
     """The same query through the gateway (the Moondream API, streamed as server-sent events)."""
     body = {"image_url": "data:image/jpeg;base64," + base64.b64encode(image).decode(), "question":
-            "Describe this image.", "stream": True, "settings": {"temperature": 0, "max_tokens": max_tokens}}
+            QUESTION, "stream": True, "settings": {"temperature": 0, "max_tokens": max_tokens}}
     t0 = time.perf_counter()
     ttft = None
     async with http.stream("POST", url + "/v1/query", json=body) as response:
@@ -354,6 +372,14 @@ def main() -> int:
     args = p.parse_args()
     per_stream, repeat = args.requests_per_stream, args.questions_per_image
     cached, seen = (None if args.fresh_images else query_images()), 0
+    floors = None  # the GPU's ceilings, for the floor of each level of fresh images (on the served model's family)
+    if args.fresh_images and args.checkpoint is None:
+        import torch
+
+        if torch.cuda.is_available():
+            from benchmarks.gpu_bench import ceilings
+
+            floors = ceilings()
 
     def images_for(concurrency: int) -> list[bytes]:
         nonlocal seen
@@ -410,6 +436,10 @@ def main() -> int:
                         before = server_sums(metrics_urls)
                         gateway_cpu = cpu_seconds(gateway_pid) if gateway_pid else 0.0
                         rows.append(level(target, images, c, args.max_tokens, pool, procs, fresh, per_stream))
+                        if floors is not None:  # (Little's law at the floor's rate: the TTFT the GPUs allow)
+                            engines = gpus or 1
+                            floor = engines * fresh_floor(args.model, images, c // engines, args.max_tokens, floors)
+                            rows[-1].update(floor_req_per_s=floor, littles_law_at_floor_ms=1000 * c / floor)
                         if path == "gateway":  # the gateway is one process: its CPU share says whether it sets the pace
                             rows[-1]["gateway_cpu_share"] = ((cpu_seconds(gateway_pid) - gateway_cpu)
                                                              / (rows[-1]["requests"] / rows[-1]["req_per_s"]))
@@ -425,15 +455,17 @@ def main() -> int:
                                                 "fresh_images": args.fresh_images, "questions_per_image": repeat,
                                                 "client_processes": args.client_processes,
                                                 "requests_per_stream": per_stream, "runs": runs}, indent=1))
-    print("| GPUs | FP8 vision | path | concurrency | requests | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | "
-          "Little's law ms | engine TTFT p50 ms | outside the engine p50 ms | prefix hits / request | "
-          "Triton queue ms | client CPU share |\n" + "| --- " * 15 + "|")
+    print("| GPUs | FP8 vision | path | concurrency | requests | req/s | floor req/s | output tok/s | TTFT p50 ms | "
+          "TTFT p95 ms | Little's law ms (at the floor) | engine TTFT p50 ms | outside the engine p50 ms | "
+          "prefix hits / request | Triton queue ms | client CPU share |\n" + "| --- " * 16 + "|")
     for run in runs:
         for r in run["levels"]:
             fp8 = "" if run["vision_fp8"] is None else run["vision_fp8"]
             print(f"| {run['gpus'] or ''} | {fp8} | {r['path']} | {r['concurrency']} | {r['requests']} | "
-                  f"{r['req_per_s']:.1f} | {r['output_tok_per_s']:.0f} | {r['ttft_p50_ms']:.0f} | "
-                  f"{r['ttft_p95_ms']:.0f} | {r['littles_law_ms']:.0f} | {r['engine_ttft_p50_ms']:.0f} | "
+                  f"{r['req_per_s']:.1f} | {r.get('floor_req_per_s', float('nan')):.0f} | "
+                  f"{r['output_tok_per_s']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
+                  f"{r['littles_law_ms']:.0f} ({r.get('littles_law_at_floor_ms', float('nan')):.0f}) | "
+                  f"{r['engine_ttft_p50_ms']:.0f} | "
                   f"{r['ttft_outside_engine_p50_ms']:.1f} | "
                   f"{r['prefix_hit_rate']:.2f} | {r['triton_queue_mean_ms']:.1f} | {r['client_cpu_share']:.2f} |")
     if any(stop["stub_fatal_errors"] or stop["killed"] for run in runs
