@@ -14,4 +14,5 @@ if [ "${1:-}" = test ]; then
     # the official Moondream client, the gateway tests' caller: its metadata pulls in Kestrel, which its HTTP client
     # never imports, so without its dependencies (Pillow, the one it uses, comes with the test extra)
     pip install -q --no-deps moondream==2.6.1
+    bash ci/docker.sh  # the container tests' Docker engine
 fi
