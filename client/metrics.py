@@ -14,8 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 __all__ = ["scrape", "metric_sum"]
 
 
-def scrape(url: str, timeout: float = 10) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def scrape(url: str, timeout: float = 10, api_key: str | None = None) -> str:
+    """The metrics page at url; api_key: the gateway's, where it has keys (its /metrics then needs one)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as response:
         return response.read().decode()
 
 

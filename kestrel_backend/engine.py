@@ -88,6 +88,7 @@ class InferenceEngine:
         self.kv = PagedKVCache(text, num_pages, config.page_size, model.device, model.dtype)
         self.images = ImageCache(config.image_cache_size)
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
+        self.text_limit = TextLimit.for_tokenizer(model.tokenizer, self.max_context)
         self._ids = itertools.count(1)
         self._decoders = ThreadPoolExecutor(max_workers=config.image_worker_count(), thread_name_prefix="kestrel-decode")
         self._decoding: dict[str, asyncio.Future] = {}  # image key -> its crops, while being decoded
@@ -218,7 +219,7 @@ class InferenceEngine:
             raise InvalidRequest("QUESTION is required and must be non-empty text")
         s = self._settings(settings)
         refs = _check_spatial_refs(spatial_refs, image)
-        ids = self.model.tokenizer.encode(question).ids
+        ids = self._encode(question, "QUESTION")
         return await self._submit("query", image, ids, s, stream, reasoning=reasoning, spatial_refs=refs)
 
     async def caption(self, image: bytes, length: str = "normal", stream: bool = False, settings: dict | None = None):
@@ -238,7 +239,7 @@ class InferenceEngine:
                                  "segment needs Moondream 3")
         if not isinstance(object, str) or not object.strip():
             raise InvalidRequest("OBJECT is required and must be non-empty text")
-        ids = region_prompt(self.model.config.tokenizer, "segment", self.model.tokenizer.encode(object.strip()).ids)
+        ids = region_prompt(self.model.config.tokenizer, "segment", self._encode(object.strip(), "OBJECT"))
         s = self._settings(settings, greedy=True)
         return await self._submit("segment", self._need_image(image), ids, s, False, object_text=object.strip())
 
@@ -249,7 +250,8 @@ class InferenceEngine:
         tok = self.model.config.tokenizer
         if reasoning is None:
             reasoning = supports_reasoning(tok)
-        ids, later = chat_prompt(tok, messages, lambda text: self.model.tokenizer.encode(text).ids, reasoning,
+        self.text_limit.check(sum(len(m.text) for m in messages), "MESSAGES' text")
+        ids, later = chat_prompt(tok, messages, lambda text: self._encode(text, "MESSAGES' text"), reasoning,
                                  self.model.config.text.prefix_attn - 1)
         return await self._submit("chat", first_image(messages), ids, self._settings(settings), stream,
                                   reasoning=reasoning, later_images=later)
@@ -293,6 +295,16 @@ class InferenceEngine:
             return (self.config.model,)
         return tuple(n for n in MODELS if n.startswith("moondream3") == self.model.config.is_moondream3)
 
+    def _encode(self, text: str, field: str) -> list[int]:
+        """Token ids of a request's text, refused first if it is longer than the context could hold (the tokenizer
+        holds the GIL: a long text would stall every request) or is not text (a lone surrogate)."""
+        self.text_limit.check(len(text), field)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest(f"{field} holds a lone UTF-16 surrogate, which is not text") from None
+        return self.model.tokenizer.encode(text).ids
+
     @staticmethod
     def _need_image(image) -> bytes:
         if not image:
@@ -302,7 +314,7 @@ class InferenceEngine:
     async def _region(self, skill, image, obj, settings) -> EngineResult:
         if not isinstance(obj, str) or not obj.strip():
             raise InvalidRequest("OBJECT is required and must be non-empty text")
-        ids = region_prompt(self.model.config.tokenizer, skill, self.model.tokenizer.encode(" " + obj).ids)
+        ids = region_prompt(self.model.config.tokenizer, skill, self._encode(" " + obj, "OBJECT"))
         return await self._submit(skill, self._need_image(image), ids, self._settings(settings), False)
 
     def _crop(self, data: bytes):
@@ -410,6 +422,24 @@ class InferenceEngine:
             raise
         finally:
             self._admitting -= 1
+
+
+class TextLimit:
+    """The most characters a request's text may have: the context's tokens times the longest token's length in
+    characters (a text longer than that cannot fit; checked before the tokenizer runs)."""
+
+    def __init__(self, max_chars: int, max_context: int):
+        self.max_chars, self.max_context = max_chars, max_context
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, max_context: int) -> "TextLimit":
+        longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        return cls(max_context * max(longest, 1), max_context)
+
+    def check(self, chars: int, field: str) -> None:
+        if chars > self.max_chars:
+            raise InvalidRequest(f"{field} is too long: {chars} characters, more than the model's context of "
+                                 f"{self.max_context} tokens can hold ({self.max_chars})")
 
 
 def _quantize_vision(model: Moondream) -> None:

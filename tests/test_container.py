@@ -61,11 +61,10 @@ def sh(command: str, timeout: float = 900) -> str:
     return run.stdout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def docker():
     """The docker CLI and an engine that answers, else a skip (a failure where CI=true)."""
     if shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
-        sh("docker rm -f kestrel kestrel-seed >/dev/null 2>&1; " + COMPOSE_DOWN + " >/dev/null 2>&1; true")
         return
     why = "no Docker engine answers (bash ci/docker.sh as root starts one)"
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -73,7 +72,7 @@ def docker():
     pytest.skip(why)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def image(docker):
     sh(WHEELHOUSE)
     sh(BUILD)
@@ -98,16 +97,6 @@ def remove(container: str) -> None:
     subprocess.run(["docker", "rm", "-f", container], capture_output=True)
 
 
-@pytest.fixture(scope="module")
-def server(image):
-    sh(RUN)
-    try:
-        wait_ready("kestrel")
-        yield "kestrel"
-    finally:
-        remove("kestrel")
-
-
 def every_skill_answers(grpc: str) -> None:
     from client import MoondreamClient
 
@@ -124,7 +113,25 @@ def every_skill_answers(grpc: str) -> None:
     assert bodies[-1]["completed"] and "".join(b["chunk"] for b in bodies) == bodies[-1]["answer"]
 
 
-def test_image_serves_every_skill_over_grpc_and_http_with_metrics(server):
+def clean() -> None:
+    """No container of an earlier test (or run) holds the names or ports (tests of one xdist group may be run
+    between other modules' tests, so a module-scoped container could be set up twice)."""
+    sh("docker rm -f kestrel kestrel-seed >/dev/null 2>&1; " + COMPOSE_DOWN + " >/dev/null 2>&1; true")
+
+
+def test_the_image_serves_turns_healthy_runs_as_a_user_and_stops_cleanly(image):
+    clean()
+    sh(RUN)
+    try:
+        wait_ready("kestrel")
+        serves_every_skill_over_grpc_and_http_with_metrics()
+        turns_healthy_and_runs_as_a_user_not_root("kestrel")
+        docker_stop_lets_a_stream_in_flight_finish_and_exits_0("kestrel")
+    finally:
+        remove("kestrel")
+
+
+def serves_every_skill_over_grpc_and_http_with_metrics():
     from client.metrics import metric_sum, scrape
 
     every_skill_answers(GRPC)
@@ -137,7 +144,7 @@ def test_image_serves_every_skill_over_grpc_and_http_with_metrics(server):
     assert metric_sum(text, "kestrel_engine_state", state="kv_pages_total") > 0
 
 
-def test_image_turns_healthy_and_runs_as_a_user_not_root(server):
+def turns_healthy_and_runs_as_a_user_not_root(server: str):
     deadline = time.time() + 60
     while (health := sh(f"docker inspect -f '{{{{.State.Health.Status}}}}' {server}").strip()) != "healthy":
         assert health == "starting" and time.time() < deadline, health
@@ -147,7 +154,7 @@ def test_image_turns_healthy_and_runs_as_a_user_not_root(server):
     assert sh(f"docker top {server} -o pid,uid,comm | grep tritonserver").split()[1] in ("1000", "triton-server")
 
 
-def test_docker_stop_lets_a_stream_in_flight_finish_and_exits_0(server):
+def docker_stop_lets_a_stream_in_flight_finish_and_exits_0(server: str):
     from client import MoondreamClient
 
     bodies, errors = [], []
@@ -174,6 +181,7 @@ def test_docker_stop_lets_a_stream_in_flight_finish_and_exits_0(server):
 
 
 def test_the_seeds_way_base_image_with_the_repository_mounted_and_the_wheel_installed_at_start(image):
+    clean()
     sh(SEED)
     try:
         wait_ready("kestrel-seed", timeout=600)
@@ -186,6 +194,7 @@ def test_compose_brings_up_tritonserver_and_the_gateway_for_the_official_client(
     import moondream as md
     from PIL import Image
 
+    clean()
     sh(COMPOSE)
     try:
         wait_ready("docker_kestrel_1")

@@ -188,10 +188,12 @@ def test_models_health_and_metrics(gateway):
             "Authorization": f"Bearer {GATEWAY_KEY}"})) as r:
         assert [m["id"] for m in json.loads(r.read())["data"]] == ["moondream2"]
     assert urllib.request.urlopen(gateway.url + "/readyz").status == 200
-    before = metric_sum(scrape(gateway.url + "/metrics"), "kestrel_gateway_requests_total", endpoint="query",
-                        status="200")  # (the module's other tests may run in another worker, or not before this)
+    with pytest.raises(urllib.error.HTTPError, match="401"):  # keys are set: scraping needs one too
+        scrape(gateway.url + "/metrics")
+    before = metric_sum(scrape(gateway.url + "/metrics", api_key=GATEWAY_KEY), "kestrel_gateway_requests_total",
+                        endpoint="query", status="200")  # (other tests of the module may run in another worker)
     assert post(gateway, "/v1/query", {"question": "hi", "settings": {"max_tokens": 2}})[0] == 200
-    text = scrape(gateway.url + "/metrics")
+    text = scrape(gateway.url + "/metrics", api_key=GATEWAY_KEY)
     assert metric_sum(text, "kestrel_gateway_requests_total", endpoint="query", status="200") == before + 1
     assert metric_sum(text, "kestrel_gateway_request_duration_seconds_count", endpoint="query") >= 1
 

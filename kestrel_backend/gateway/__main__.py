@@ -10,21 +10,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from pathlib import Path
 
 import uvicorn
 
 from .app import GatewayConfig, create_app
+from .http_protocol import HEADER_TIMEOUT_S, HeaderDeadlineProtocol
+from .keys import ApiKeys
 from .payloads import Limits
 from .upstream import Upstream
-
-
-def api_keys(env: dict, keys_file: str | None) -> frozenset[str]:
-    """KESTREL_GATEWAY_API_KEYS (comma-separated) and a file of keys, one a line (# comments)."""
-    keys = [k.strip() for k in env.get("KESTREL_GATEWAY_API_KEYS", "").split(",")]
-    if keys_file:
-        keys += [line.split("#")[0].strip() for line in Path(keys_file).read_text().splitlines()]
-    return frozenset(k for k in keys if k)
 
 
 def main(argv=None) -> None:
@@ -37,13 +30,20 @@ def main(argv=None) -> None:
     p.add_argument("--triton-model", default="moondream", help="the model's name in Triton")
     p.add_argument("--model-name", action="append", help="a name the API's `model` field may take (repeat; default: "
                    "KESTREL_MODEL, else moondream)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on: loopback by default; 0.0.0.0 for "
+                   "every interface (a container behind a Service, an ingress)")
     p.add_argument("--port", type=int, default=2020)
-    p.add_argument("--api-keys-file", help="keys, one a line (also KESTREL_GATEWAY_API_KEYS, comma-separated); "
-                   "without any key the gateway is open")
+    p.add_argument("--api-keys-file", help="keys, one a line, each with optional limits: concurrency=N rate=N/s (also "
+                   "KESTREL_GATEWAY_API_KEYS, comma-separated); without any key the gateway is open")
     p.add_argument("--max-body-mb", type=float, default=32)
     p.add_argument("--max-image-mb", type=float, default=20)
-    p.add_argument("--fetch-image-urls", action="store_true", help="fetch http(s) image links (refused otherwise)")
+    p.add_argument("--fetch-image-urls", action="store_true", help="fetch http(s) image links (refused otherwise); "
+                   "only public addresses unless --fetch-allow names others")
+    p.add_argument("--fetch-allow", action="append", default=[], help="a network links may reach although not "
+                   "public, e.g. 10.1.0.0/16 (repeat)")
+    p.add_argument("--fetch-timeout", type=float, default=10.0, help="seconds for a link's whole fetch")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request's whole body to arrive")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, help="seconds for a request's headers")
     p.add_argument("--request-timeout", type=float, default=300)
     p.add_argument("--refresh-s", type=float, default=2.0, help="seconds between replica readiness checks")
     a = p.parse_args(argv)
@@ -53,13 +53,16 @@ def main(argv=None) -> None:
     served = a.model_name or [os.environ.get("KESTREL_MODEL") or "moondream"]
     config = GatewayConfig(
         upstream=Upstream(a.triton_model, a.triton, a.triton_dns, a.triton_file, a.refresh_s), served=served,
-        api_keys=api_keys(os.environ, a.api_keys_file),
-        limits=Limits(int(a.max_body_mb * 2**20), int(a.max_image_mb * 2**20), a.fetch_image_urls),
+        api_keys=ApiKeys.load(os.environ, a.api_keys_file),
+        limits=Limits(int(a.max_body_mb * 2**20), int(a.max_image_mb * 2**20), a.fetch_image_urls, a.fetch_timeout,
+                      tuple(a.fetch_allow), a.body_timeout),
         request_timeout_s=a.request_timeout)
     if not config.api_keys:
         logging.getLogger("kestrel.gateway").warning("no API key configured: the gateway is open to every caller "
                                                      "(keep it behind an ingress)")
-    uvicorn.run(create_app(config), host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=30)
+    protocol = type("Protocol", (HeaderDeadlineProtocol,), {"header_timeout_s": a.header_timeout})
+    uvicorn.run(create_app(config), host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=30,
+                http=protocol)
 
 
 if __name__ == "__main__":

@@ -8,20 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import logging
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import moondream_api, openai_chat
 from .errors import ApiError
+from .keys import ApiKeys
+from .openapi import schema
 from .payloads import Limits, json_body
 from .upstream import Upstream
+
+log = logging.getLogger("kestrel.gateway")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -30,7 +35,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class GatewayConfig:
     upstream: Upstream
     served: list[str]  # model names the `model` field may take (the first is the default)
-    api_keys: frozenset[str] = frozenset()  # empty: open (keep it behind an ingress)
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: open (keep it behind an ingress)
     limits: Limits = field(default_factory=Limits)
     request_timeout_s: float = 300.0
 
@@ -51,19 +56,27 @@ def create_app(config: GatewayConfig) -> Starlette:
     metrics = Metrics()
     config.upstream.on_outcome = lambda url, outcome: metrics.upstream.labels(url, outcome).inc()
 
-    def endpoint(name: str, handler, authenticated: bool = True):
+    def endpoint(name: str, handler, authenticated: bool = True, limited: bool = True):
+        """authenticated: the caller's key is checked (where keys are set); limited: and its limits applied."""
         async def serve(request: Request) -> Response:
-            t0 = time.perf_counter()
+            t0, limits = time.perf_counter(), None
             try:
-                if authenticated:
-                    _check_key(request, config.api_keys)
+                key = config.api_keys.check(request.headers) if authenticated else None
+                if key is not None and limited:
+                    key.admit()
+                    limits = key
                 response = await handler(request)
             except ApiError as e:
                 response = e.response()
+            except Exception:  # a bug, not the caller's fault: still the JSON shape, and counted
+                log.exception("%s %s failed", request.method, request.url.path)
+                response = ApiError(500, "internal error").response()
             if isinstance(response, StreamingResponse):
-                response.body_iterator = _timed(response.body_iterator, metrics, name, t0)
+                response.body_iterator = _timed(response.body_iterator, metrics, name, t0, limits)
             else:
                 metrics.latency.labels(name).observe(time.perf_counter() - t0)
+                if limits is not None:
+                    limits.release()
             metrics.requests.labels(name, str(response.status_code)).inc()
             return response
         return serve
@@ -79,9 +92,9 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def chat(request: Request) -> Response:
         body = await json_body(request, config.limits)
         call, model = await openai_chat.parse(body, config.limits, config.served)
+        include_usage = openai_chat.include_usage(body)
         bodies = config.upstream.call(call.inputs, call.key, config.request_timeout_s)
         if call.stream:
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await _stream(openai_chat.events(bodies, model, include_usage))
         return JSONResponse(openai_chat.completion(await _last(bodies, request), model))
 
@@ -100,6 +113,17 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def scrape(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(schema(config.served))
+
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        """Starlette's own answers (no such path, a method the path does not take) in the JSON shape, counted."""
+        metrics.requests.labels("unknown", str(e.status_code)).inc()
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"{request.url.path} does not take {request.method}"}.get(e.status_code, str(e.detail))
+        headers = {"Allow": e.headers["Allow"]} if e.headers and "Allow" in e.headers else None
+        return JSONResponse(ApiError(e.status_code, message).body(), status_code=e.status_code, headers=headers)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await config.upstream.start()
@@ -112,19 +136,10 @@ def create_app(config: GatewayConfig) -> Starlette:
                Route("/v1/models", endpoint("models", models), methods=["GET"]),
                Route("/healthz", endpoint("healthz", health, authenticated=False), methods=["GET"]),
                Route("/readyz", endpoint("readyz", ready, authenticated=False), methods=["GET"]),
-               Route("/metrics", scrape, methods=["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan)
-
-
-def _check_key(request: Request, keys: frozenset[str]) -> None:
-    if not keys:
-        return
-    given = request.headers.get("x-moondream-auth")
-    auth = request.headers.get("authorization", "")
-    if given is None and auth.lower().startswith("bearer "):
-        given = auth[7:].strip()
-    if not given or not any(hmac.compare_digest(given, key) for key in keys):
-        raise ApiError(401, "a valid API key is required (X-Moondream-Auth, or Authorization: Bearer)")
+               Route("/openapi.json", endpoint("openapi", openapi, authenticated=False), methods=["GET"]),
+               # where keys are set, scraping needs one too (Prometheus: authorization credentials)
+               Route("/metrics", endpoint("metrics", scrape, limited=False), methods=["GET"])]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
 
 
 async def _last(bodies, request: Request) -> dict:
@@ -178,9 +193,12 @@ async def _stream(events) -> Response:
     return StreamingResponse(rest(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _timed(body_iterator, metrics: Metrics, name: str, t0: float):
+async def _timed(body_iterator, metrics: Metrics, name: str, t0: float, limits=None):
+    """A stream's time to its last event; the caller's concurrency slot is held until then."""
     try:
         async for part in body_iterator:
             yield part
     finally:
         metrics.latency.labels(name).observe(time.perf_counter() - t0)
+        if limits is not None:
+            limits.release()

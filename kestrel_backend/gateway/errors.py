@@ -27,8 +27,9 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 413: "payload_too_large",
-          429: "overloaded", 500: "internal_error", 502: "upstream_failed", 503: "unavailable", 504: "timeout"}
+_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+          408: "request_timeout", 413: "payload_too_large", 429: "overloaded", 500: "internal_error",
+          502: "upstream_failed", 503: "unavailable", 504: "timeout"}
 
 
 def refused_before_admission(message: str) -> bool:
@@ -36,6 +37,14 @@ def refused_before_admission(message: str) -> bool:
     its queue is full), or by tritonserver itself, which unloads the model when it stops ("Request for unknown model:
     'moondream' has no available versions")."""
     return message.startswith(("server draining", "server overloaded", "Request for unknown model"))
+
+
+def all_refused(messages: list[str]) -> ApiError:
+    """Every replica turned the request away before running it: 429 when one of them was full (a client should slow
+    down), 503 when they are all stopping."""
+    if any(m.startswith("server overloaded") for m in messages):
+        return ApiError(429, "every replica is full; retry later", retry_after=1)
+    return ApiError(503, "every replica is stopping; retry later", retry_after=1)
 
 
 def from_triton(message: str) -> ApiError:

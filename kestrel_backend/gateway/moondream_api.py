@@ -11,7 +11,12 @@ from typing import AsyncIterator
 
 from client import build_inputs
 from .errors import ApiError
-from .payloads import Limits, flag, image_field, routing_key, settings_field, text_field, with_model
+from .payloads import Limits, flag, image_field, known_fields, routing_key, settings_field, text_field, with_model
+
+COMMON_FIELDS = {"image_url", "stream", "model", "variant", "settings", "spatial_refs"}
+FIELDS = {"query": COMMON_FIELDS | {"question", "reasoning"}, "caption": COMMON_FIELDS | {"length"},
+          "detect": COMMON_FIELDS | {"object"}, "point": COMMON_FIELDS | {"object"},
+          "segment": COMMON_FIELDS | {"object"}}
 
 
 @dataclass
@@ -25,6 +30,7 @@ class Call:
 
 
 async def parse(skill: str, body: dict, limits: Limits, served: list[str]) -> Call:
+    known_fields(body, FIELDS[skill])
     settings = with_model(body, settings_field(body), served)
     image = None
     if skill != "query" or body.get("image_url") is not None:
@@ -41,8 +47,11 @@ async def parse(skill: str, body: dict, limits: Limits, served: list[str]) -> Ca
     refs = body.get("spatial_refs")
     if refs is not None:
         if not isinstance(refs, list) or not all(isinstance(r, list) and len(r) in (2, 4) and
-                                                 all(isinstance(v, (int, float)) for v in r) for r in refs):
+                                                 all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                     for v in r) for r in refs):
             raise ApiError(400, "spatial_refs must be a list of [x, y] points or [x_min, y_min, x_max, y_max] boxes")
+        if len({len(r) for r in refs}) > 1:
+            raise ApiError(400, "spatial_refs must be all points or all boxes, not a mix")
         kw["spatial_refs"] = refs or None
     stream = bool(flag(body, "stream")) and skill in ("query", "caption", "segment")
     triton_stream = stream and skill != "segment"  # (segment's events are made from its one result)

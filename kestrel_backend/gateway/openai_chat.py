@@ -8,6 +8,7 @@ sends their bytes as IMAGE and the part as an index into it. The assistant's mes
 from __future__ import annotations
 
 import time
+import uuid
 from typing import AsyncIterator
 
 from client import build_inputs
@@ -68,9 +69,23 @@ async def _message(i: int, m, images: list[bytes], limits: Limits):
     return {**m, "content": parts}
 
 
+def include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise ApiError(400, "stream_options must be an object, its include_usage true or false")
+    return bool(options.get("include_usage"))
+
+
+def completion_id() -> str:
+    """Each completion's own id (the request's id on the server is not in every streamed body)."""
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
 def completion(body: dict, model: str) -> dict:
     m = body["metrics"]
-    return {"id": f"chatcmpl-{body['request_id']}", "object": "chat.completion", "created": int(time.time()),
+    return {"id": completion_id(), "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": body["message"], "finish_reason":
                                          body["finish_reason"], "logprobs": None}], "usage": usage(m)}
 
@@ -85,15 +100,15 @@ def events(bodies, model: str, include_usage: bool) -> AsyncIterator[str]:
     """chat.completion.chunk events: the role, the answer's pieces as they come, the finish reason (with the
     reasoning, which is not streamed), usage if asked, then [DONE]."""
     async def gen():
-        created, chunk_id = int(time.time()), None
+        created, chunk_id, started = int(time.time()), completion_id(), False
 
         def chunk(delta: dict, finish=None, **extra) -> str:
             return sse({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra})
         try:
             async for body in bodies:
-                if chunk_id is None:
-                    chunk_id = f"chatcmpl-{body.get('request_id', created)}"
+                if not started:
+                    started = True
                     yield chunk({"role": "assistant", "content": ""})
                 if body.get("chunk"):
                     yield chunk({"content": body["chunk"]})

@@ -3,15 +3,17 @@ links where the operator allows them), the model name (and the adapter it may na
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
 from ..data_urls import image_bytes
 from ..errors import InvalidRequest, shown
 from .errors import ApiError
+from .fetch import LinkFetcher
 
 
 @dataclass(frozen=True)
@@ -19,19 +21,25 @@ class Limits:
     max_body_bytes: int = 32 * 1024 * 1024
     max_image_bytes: int = 20 * 1024 * 1024
     fetch_image_urls: bool = False  # http(s) image links: fetched by the gateway only when the operator says so
-    fetch_timeout_s: float = 10.0
+    fetch_timeout_s: float = 10.0  # the whole fetch of a link, redirects included
+    fetch_allow: tuple[str, ...] = ()  # networks links may reach although not public (e.g. "10.0.0.0/8")
+    body_timeout_s: float = 30.0  # the whole request body must arrive within this
+    fetcher: LinkFetcher = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "fetcher", LinkFetcher(self.max_image_bytes, self.fetch_timeout_s, self.fetch_allow))
 
 
 async def json_body(request: Request, limits: Limits) -> dict:
+    """The request's JSON object: its size bounded, its arrival within body_timeout_s, no lone surrogate in any of
+    its strings (JSON may escape one; it is not text, and nothing downstream could encode it)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise ApiError(413, f"the request body is {declared} bytes, over the {limits.max_body_bytes} byte limit")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limits.max_body_bytes:
-            raise ApiError(413, f"the request body is over the {limits.max_body_bytes} byte limit")
-        chunks.append(chunk)
+    try:
+        chunks = await asyncio.wait_for(_read_body(request, limits.max_body_bytes), limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
     try:
         body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -40,7 +48,42 @@ async def json_body(request: Request, limits: Limits) -> dict:
         raise ApiError(400, "the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _refuse_surrogates(body, "body")
     return body
+
+
+async def _read_body(request: Request, max_bytes: int) -> list[bytes]:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"the request body is over the {max_bytes} byte limit")
+        chunks.append(chunk)
+    return chunks
+
+
+def _refuse_surrogates(value, where: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (an escape like \\ud800 without its pair), "
+                                "which is not text") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_surrogates(k, where)
+            _refuse_surrogates(v, f"{where}.{k}" if where != "body" else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _refuse_surrogates(v, f"{where}[{i}]")
+
+
+def known_fields(body: dict, allowed: set[str]) -> None:
+    """A field the endpoint does not take is refused, naming it: a typo must not pass for a default."""
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(400, f"unknown field(s) {', '.join(shown(u, 40) for u in unknown)}; this endpoint takes "
+                            f"{', '.join(sorted(allowed))}")
 
 
 def text_field(body: dict, name: str, required: bool = False) -> str | None:
@@ -65,7 +108,10 @@ async def image_field(value, limits: Limits, name: str = "image_url") -> bytes:
     if not isinstance(value, str) or not value:
         raise ApiError(400, f"{name} must be a data URL (data:image/jpeg;base64,...) or base64 text")
     if value.startswith(("http://", "https://")):
-        data = await _fetch(value, limits, name)
+        if not limits.fetch_image_urls:
+            raise ApiError(400, f"{name}: http(s) image links are not fetched by this server (its operator can "
+                                "enable them with --fetch-image-urls); send the image as a data URL")
+        data = await limits.fetcher.fetch(value, name)
     elif "://" in value[:16]:
         raise ApiError(400, f"{name}: only data URLs, base64 and (where enabled) http(s) links are taken, "
                             f"not {value[:16]!r}...")
@@ -79,27 +125,6 @@ async def image_field(value, limits: Limits, name: str = "image_url") -> bytes:
     return data
 
 
-async def _fetch(url: str, limits: Limits, name: str) -> bytes:
-    if not limits.fetch_image_urls:
-        raise ApiError(400, f"{name}: http(s) image links are not fetched by this server (its operator can enable "
-                            "them with --fetch-image-urls); send the image as a data URL")
-    import httpx
-
-    try:
-        async with httpx.AsyncClient(timeout=limits.fetch_timeout_s, follow_redirects=True) as http:
-            async with http.stream("GET", url) as response:
-                response.raise_for_status()
-                data = b""
-                async for chunk in response.aiter_bytes():
-                    data += chunk
-                    if len(data) > limits.max_image_bytes:
-                        raise ApiError(413, f"{name}: the image at the link is over the {limits.max_image_bytes} "
-                                            "byte limit")
-                return data
-    except httpx.HTTPError as e:
-        raise ApiError(400, f"{name}: the image could not be fetched: {e}") from None
-
-
 def settings_field(body: dict) -> dict | None:
     settings = body.get("settings")
     if settings is not None and not isinstance(settings, dict):
@@ -109,7 +134,9 @@ def settings_field(body: dict) -> dict | None:
 
 def with_model(body: dict, settings: dict | None, served: list[str]) -> dict | None:
     """`model`: a served model's name, or `<name>/<adapter id>` (the names the official fine-tuning client gives,
-    e.g. moondream3-preview/<finetune_id>@<step>), which selects that adapter."""
+    e.g. moondream3-preview/<finetune_id>@<step>), which selects that adapter; a top-level `variant` (the official
+    Node client's) selects one too, as settings.variant does. Two of them naming different adapters: 400."""
+    settings = _with_variant(body, settings)
     model = body.get("model")
     if model is None:
         return settings
@@ -121,9 +148,28 @@ def with_model(body: dict, settings: dict | None, served: list[str]) -> dict | N
                             f"<model>/<adapter id>)")
     if adapter:
         settings = dict(settings or {})
-        if settings.get("adapter", adapter) != adapter:
-            raise ApiError(400, "model names one adapter and settings.adapter another; send one of them")
+        named = settings.get("adapter", settings.get("variant", adapter))
+        if named != adapter:
+            raise ApiError(400, f"model names adapter {shown(adapter, 40)} and variant or settings another "
+                                f"({shown(named, 40)}); send one of them")
+        settings.pop("variant", None)
         settings["adapter"] = adapter
+    return settings
+
+
+def _with_variant(body: dict, settings: dict | None) -> dict | None:
+    variant = body.get("variant")
+    if variant is None:
+        return settings
+    if not isinstance(variant, str) or not variant:
+        raise ApiError(400, "variant must be an adapter id (a non-empty string)")
+    settings = dict(settings or {})
+    named = settings.get("adapter", settings.get("variant", variant))
+    if named != variant:
+        raise ApiError(400, f"variant {shown(variant, 40)} and settings' {shown(named, 40)} name different adapters; "
+                            "send one of them")
+    settings.pop("adapter", None)
+    settings["variant"] = variant
     return settings
 
 
@@ -133,5 +179,5 @@ def routing_key(image: bytes | None, settings: dict | None) -> str | None:
     if image is None:
         return None
     digest = hashlib.sha256(image).hexdigest()
-    adapter = (settings or {}).get("adapter")
+    adapter = (settings or {}).get("adapter") or (settings or {}).get("variant")
     return f"{digest}+{adapter}" if adapter else digest

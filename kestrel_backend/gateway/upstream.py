@@ -29,7 +29,7 @@ import grpc
 import tritonclient.grpc.aio as grpcaio
 
 from client import response_body
-from .errors import ApiError, from_triton, refused_before_admission
+from .errors import ApiError, all_refused, from_triton, refused_before_admission
 
 log = logging.getLogger("kestrel.gateway")
 LOAD_BOUND = 1.25  # a replica takes a request while it has at most this times the mean in flight,
@@ -167,7 +167,7 @@ class Upstream:
     async def call(self, inputs, key: str | None, timeout: float):
         """The moondream model's JSON bodies for one request (on its own gRPC stream), as they come. Closing the
         generator early (the HTTP client went away) cancels the request on its replica."""
-        tried = []
+        tried, refusals = [], []
         for replica in await self._choices_when_ready(key):
             tried.append(replica.url)
             replica.inflight += 1
@@ -180,6 +180,7 @@ class Upstream:
                         if not answered and refused_before_admission(message):
                             replica.avoid_until = time.monotonic() + 1.0
                             self.on_outcome(replica.url, "refused")
+                            refusals.append(message)
                             break  # to the next replica
                         self.on_outcome(replica.url, "failed")
                         raise from_triton(message)
@@ -206,8 +207,7 @@ class Upstream:
                     responses.cancel()  # (a no-op once the stream ended; cancels the request when the caller left)
         if not tried:
             raise ApiError(503, "no tritonserver replica is ready", retry_after=1)
-        raise ApiError(503, f"every replica turned the request away ({', '.join(tried)}): they are stopping or "
-                            "full; retry later", retry_after=1)
+        raise all_refused(refusals)
 
 
 async def _one_request(model: str, inputs):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import functools
 import logging
 import os
 import signal
@@ -64,8 +65,9 @@ class TritonAdapter:
             try:
                 wire = parse_request(lambda name: self._input(request, name))
             except InvalidRequest as e:
-                self._send_error(sender, str(e))
-                self.outbox.call(self.metrics.request_done, "unknown", "invalid", 0.0)
+                final = self._error(sender, str(e))
+                final.before = functools.partial(self.metrics.request_done, "unknown", "invalid", 0.0)
+                self.outbox.put(final)
                 continue
             asyncio.run_coroutine_threadsafe(self._serve(request_id, wire, sender, received), self.engine.loop)
 
@@ -74,6 +76,7 @@ class TritonAdapter:
         return None if tensor is None else tensor.as_numpy()
 
     def shutdown(self) -> None:
+        self.outbox.stop_metrics()  # first: tritonserver answers no metric update while it unloads the model
         self._stopping.set()
         self.engine.shutdown()
         self.outbox.close()  # after the engine: the errors it ends in-flight requests with go out too
@@ -83,36 +86,35 @@ class TritonAdapter:
         """received: when execute() took the request (the engine's TTFT counts from there)."""
         self._inflight[asyncio.current_task()] = sender
         REQUEST_ARRIVAL.set(received)  # (this task's context only)
-        outcome, result = "error", None
+        outcome, result, final = "error", None, None
         try:
             if wire.stream and wire.skill in ("query", "caption", "chat"):
-                result = await self._serve_stream(request_id, wire, sender)
+                result, final = await self._serve_stream(request_id, wire, sender)
             else:
                 result = await self._call(wire, stream=False)
-                self._send(sender, result_body(request_id, result), final=True)
+                final = Outgoing(sender, result_body(request_id, result), final=True)
             outcome = "success"
         except (asyncio.CancelledError, RequestCancelled):  # client gone (watcher) or engine-side cancel
-            outcome = "cancelled"
-            self._send_final_flag(sender)
+            outcome, final = "cancelled", Outgoing(sender, final=True)
         except InvalidRequest as e:
-            outcome = "invalid"
-            self._send_error(sender, str(e))
+            outcome, final = "invalid", self._error(sender, str(e))
         except EngineOverloaded as e:
-            outcome = "overloaded"
-            self._send_error(sender, str(e), unavailable=True)
+            outcome, final = "overloaded", self._error(sender, str(e), unavailable=True)
         except EngineDraining as e:
-            outcome = "draining"
-            self._send_error(sender, str(e), unavailable=True)
+            outcome, final = "draining", self._error(sender, str(e), unavailable=True)
         except Exception as e:
             log.exception("request %s failed", request_id)
-            self._send_error(sender, f"internal error: {type(e).__name__}: {e}")
+            final = self._error(sender, f"internal error: {type(e).__name__}: {e}")
         finally:
-            self._inflight.pop(asyncio.current_task(), None)
             m = result.metrics if result else {}
             settings = wire.settings or {}
-            self.outbox.call(self.metrics.request_done, wire.skill, outcome, time.perf_counter() - received,
-                             m["ttft_ms"] / 1000 if m else None, m.get("output_tokens", 0),
-                             settings.get("adapter") or settings.get("variant"), m.get("cached_tokens", 0))
+            done = functools.partial(self.metrics.request_done, wire.skill, outcome, time.perf_counter() - received,
+                                     m["ttft_ms"] / 1000 if m else None, m.get("output_tokens", 0),
+                                     settings.get("adapter") or settings.get("variant"), m.get("cached_tokens", 0))
+            final = final or Outgoing(sender, final=True)
+            final.before = lambda: (done(), self.metrics.engine_state(self.engine.stats()))
+            self.outbox.put(final)  # (its metrics go out while the request is still in flight)
+            self._inflight.pop(asyncio.current_task(), None)
 
     async def _call(self, wire: WireRequest, stream: bool):
         e = self.engine
@@ -142,8 +144,7 @@ class TritonAdapter:
         except asyncio.CancelledError:
             stream.cancel()
             raise
-        self._send(sender, final_stream_body(request_id, result, remainder), final=True)
-        return result
+        return result, Outgoing(sender, final_stream_body(request_id, result, remainder), final=True)
 
     # --- watcher thread ---
     def _watch(self) -> None:
@@ -154,8 +155,10 @@ class TritonAdapter:
                 if sender.is_cancelled():
                     self.engine.loop.call_soon_threadsafe(task.cancel)
             if self.stop_probe and not self.engine.draining and self.stop_probe.stopping():
+                self.outbox.stop_metrics()  # (the server unloads the model once no request is in flight)
                 self.engine.drain()
-            self.outbox.call(self.metrics.engine_state, self.engine.stats())
+            if self._inflight:  # (see outbox.py: metric updates only while a request is in flight)
+                self.outbox.call(self.metrics.engine_state, self.engine.stats())
             if not self.engine.healthy:
                 self._stop_server()
                 return
@@ -171,9 +174,9 @@ class TritonAdapter:
     def _send(self, sender, body: dict, final: bool) -> None:
         self.outbox.put(Outgoing(sender, body, final))
 
-    def _send_error(self, sender, message: str, unavailable: bool = False) -> None:
+    def _error(self, sender, message: str, unavailable: bool = False) -> Outgoing:
         TE = self.pb.TritonError
-        self.outbox.put(Outgoing(sender, final=True, error=TE(message, TE.UNAVAILABLE) if unavailable else TE(message)))
+        return Outgoing(sender, final=True, error=TE(message, TE.UNAVAILABLE) if unavailable else TE(message))
 
-    def _send_final_flag(self, sender) -> None:
-        self.outbox.put(Outgoing(sender, final=True))
+    def _send_error(self, sender, message: str, unavailable: bool = False) -> None:
+        self.outbox.put(self._error(sender, message, unavailable))

@@ -5,7 +5,14 @@ engine loop, one send per streamed token per request held up every decode step (
 requests, the H100 made half the tokens through tritonserver that it made in-process). Here the loop
 only queues; the thread sends, in order per request. Chunks of one request that are still queued when
 the thread gets to them go out as one response: a slow link costs fewer, larger chunks instead of
-delaying everyone's next token. Metric updates (`call`) run after the responses queued with them.
+delaying everyone's next token. Everything runs in the order it was queued.
+
+Metric updates are round trips to tritonserver too, and one that tritonserver does not answer deadlocks the stub:
+once the server starts unloading the model it reads the stub's messages no more, and the update waits forever
+holding the GIL (the stub then never finishes finalize(), tritonserver waits out its exit timeout and leaves the
+stub behind). So a metric update is only made while tritonserver is sure to answer: while some request is in flight
+(it unloads no model with requests in flight). A request's own metrics run just before its final response
+(Outgoing.before), and every update stops once the server is seen stopping (stop_metrics).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class Outgoing:
     body: dict | None = None  # None: no output tensor (errors, a bare final flag)
     final: bool = False
     error: object = None  # a pb_utils.TritonError
+    before: Callable | None = None  # a metric update made just before this is sent (the request still in flight)
 
 
 def merged(items: list[Outgoing]) -> list[Outgoing]:
@@ -79,7 +87,7 @@ class Outbox:
         self.pb = pb
         self.final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self._queue: queue.SimpleQueue[Outgoing | Callable | None] = queue.SimpleQueue()
-        self._closing = False
+        self._metrics_on = True
         self._thread = threading.Thread(target=self._run, name="kestrel-outbox", daemon=True)
         self._thread.start()
 
@@ -90,27 +98,41 @@ class Outbox:
         """Run fn(*args) on the outbox's thread (a metric update)."""
         self._queue.put(functools.partial(fn, *args))
 
+    def stop_metrics(self) -> None:
+        """No metric update from now on (the server is stopping: see the module's docstring)."""
+        self._metrics_on = False
+
     def close(self, timeout: float = 10.0) -> None:
-        """Send the responses still queued, then stop the thread. Metric updates are dropped from here on:
-        the model is being unloaded, and a round trip that tritonserver no longer answers would hang."""
-        self._closing = True
+        """Send the responses still queued, then stop the thread; metric updates are dropped."""
+        self.stop_metrics()
         self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
             items = [self._queue.get()]
-            while not self._queue.empty():  # whatever else is waiting: merged and sent in one go
+            while not self._queue.empty():  # whatever else is waiting: sent in one go, chunks merged
                 items.append(self._queue.get())
-            for item in merged([i for i in items if isinstance(i, Outgoing)]):
-                self._send(item)
-            for call in (i for i in items if callable(i) and not self._closing):
-                try:
-                    call()
-                except Exception:  # a metric update that failed must not stop the responses
-                    log.warning("a metric update failed", exc_info=True)
+            responses: list[Outgoing] = []
+            for item in items + [None]:
+                if isinstance(item, Outgoing):
+                    responses.append(item)
+                    continue
+                for response in merged(responses):  # (in order, before the call queued after them)
+                    self._run_metric(response.before)
+                    self._send(response)
+                responses = []
+                self._run_metric(item)
             if any(i is None for i in items):
                 return
+
+    def _run_metric(self, call: Callable | None) -> None:
+        if call is None or not self._metrics_on:
+            return
+        try:
+            call()
+        except Exception:  # a metric update that failed must not stop the responses
+            log.warning("a metric update failed", exc_info=True)
 
     def _send(self, item: Outgoing) -> None:
         flags = self.final if item.final else 0

@@ -14,6 +14,9 @@ from ..runtime.sequence import EngineResult
 from ..skills.chat import ChatMessage, parse_messages
 
 SKILLS = ("query", "caption", "detect", "point", "segment", "chat")
+# JSON objects MESSAGES may hold (messages and their parts): counted in its bytes before it is parsed, since parsing
+# a million parts holds the GIL, and so every request, for seconds
+MAX_MESSAGE_OBJECTS = 4096
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,13 @@ def _text(name: str, arr: np.ndarray | None) -> str | None:
         raise InvalidRequest(f"{name} is not valid UTF-8 text") from None
 
 
-def _json(name: str, arr: np.ndarray | None):
-    """A JSON input's value (None when absent)."""
+def _json(name: str, arr: np.ndarray | None, max_objects: int | None = None):
+    """A JSON input's value (None when absent); max_objects: refused unparsed if it could hold more objects."""
     text = _text(name, arr)
     if text is None:
         return None
+    if max_objects is not None and text.count("{") > max_objects:
+        raise InvalidRequest(f"{name} holds more than {max_objects} objects (messages and their parts)")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -150,7 +155,7 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
     if len(images) > 1 and skill != "chat":
         raise InvalidRequest(f"IMAGE holds {len(images)} images; only the chat skill takes more than one")
     image = images[0] if images else None
-    messages = _json("MESSAGES", get("MESSAGES"))
+    messages = _json("MESSAGES", get("MESSAGES"), MAX_MESSAGE_OBJECTS)
     if skill == "chat":
         if messages is None:
             raise InvalidRequest("MESSAGES is required for SKILL chat")

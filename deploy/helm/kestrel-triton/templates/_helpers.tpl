@@ -31,6 +31,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     - -m
     - kestrel_backend.gateway
     - {{ .triton }}
+    - --host=0.0.0.0  # (the pod's address: the Service reaches it there)
     - --port={{ .root.Values.gateway.port }}
     - --model-name={{ .root.Values.gateway.modelName | default .root.Values.model.name }}
     {{- if .root.Values.gateway.fetchImageUrls }}
