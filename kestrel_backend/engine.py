@@ -430,6 +430,7 @@ class TextLimit:
 
     def __init__(self, max_chars: int, max_context: int):
         self.max_chars, self.max_context = max_chars, max_context
+        self.max_bytes = 4 * max_chars  # (a character is at most 4 bytes of UTF-8)
 
     @classmethod
     def for_tokenizer(cls, tokenizer, max_context: int) -> "TextLimit":

@@ -23,13 +23,14 @@ from .errors import ApiError
 @dataclass
 class KeyLimits:
     concurrency: int | None = None  # requests in flight at once
-    rate: float | None = None  # requests a second (a token bucket of one second's worth)
+    rate: float | None = None  # requests a second, refilling a bucket of `burst` (rate=N/m: N a minute, N at once)
+    burst: float = 1.0
     in_flight: int = 0
     _tokens: float = field(default=0.0, repr=False)
     _last: float = field(default_factory=time.monotonic, repr=False)
 
     def __post_init__(self):
-        self._tokens = max(1.0, self.rate or 0.0)
+        self._tokens = self.burst
 
     def admit(self) -> None:
         """Take a slot and a token, or raise 429 with the seconds until one frees up."""
@@ -38,7 +39,7 @@ class KeyLimits:
                                 "ends", code="rate_limited", retry_after=1)
         if self.rate is not None:
             now = time.monotonic()
-            self._tokens = min(max(1.0, self.rate), self._tokens + (now - self._last) * self.rate)
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
             self._last = now
             if self._tokens < 1.0:
                 wait = math.ceil((1.0 - self._tokens) / self.rate)
@@ -99,8 +100,8 @@ def _limits(words: list[str], where: str) -> KeyLimits:
             if name == "rate":
                 count, _, unit = value.partition("/")
                 per = {"s": 1.0, "m": 60.0, "h": 3600.0}[unit or "s"]
-                if float(count) > 0:
-                    limits.rate = float(count) / per
+                if float(count) >= 1:
+                    limits.rate, limits.burst = float(count) / per, float(count)
                     continue
         except (ValueError, KeyError):
             pass

@@ -159,11 +159,12 @@ class AdapterRegistry:
             try:
                 return [download_adapter(adapter_id, self.folders[0])]
             except Exception as e:
-                raise InvalidRequest(f"adapter {adapter_id!r}: not found locally and its download failed "
-                                     f"({type(e).__name__}: {e})") from None
-        where = ", ".join(str(f) for f in self.folders)
-        raise InvalidRequest(f"adapter {adapter_id!r} not found (looked for <id>/final.pt, <id>.safetensors and "
-                             f"<id>/*.safetensors in {where}; KESTREL_ADAPTER_DIR sets the first)")
+                log.warning("adapter %s: download failed: %s: %s", adapter_id, type(e).__name__, e)
+                raise InvalidRequest(f"adapter {adapter_id!r} not found: not here, and its download failed") from None
+        # (the folders searched go to the log, not to the caller: no server path in an answer)
+        log.info("adapter %s not found in %s", adapter_id, ", ".join(str(f) for f in self.folders))
+        raise InvalidRequest(f"adapter {adapter_id!r} not found (an adapter is <id>/final.pt, <id>.safetensors or "
+                             "<id>/*.safetensors in the server's adapter folders)")
 
     def _load(self, adapter_id: str) -> LoraAdapter:
         """Off the engine thread: find, read and check (in host memory, in the serving dtype)."""
@@ -173,4 +174,5 @@ class AdapterRegistry:
             return build_adapter(adapter_id, read_adapter_tensors(files), self.config, self.max_rank, self.dtype,
                                  device)
         except AdapterError as e:
-            raise InvalidRequest(f"adapter {adapter_id!r} ({files[0].parent}): {e}") from None
+            log.info("adapter %s (%s): %s", adapter_id, files[0].parent, e)
+            raise InvalidRequest(f"adapter {adapter_id!r}: {e}") from None

@@ -63,7 +63,7 @@ class TritonAdapter:
             sender = GuardedSender(request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             request_id = request.request_id() or uuid.uuid4().hex
             try:
-                wire = parse_request(lambda name: self._input(request, name))
+                wire = parse_request(lambda name: self._input(request, name), self.engine.text_limit.max_bytes)
             except InvalidRequest as e:
                 final = self._error(sender, str(e))
                 final.before = functools.partial(self.metrics.request_done, "unknown", "invalid", 0.0)

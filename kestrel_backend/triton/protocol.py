@@ -72,10 +72,13 @@ def _images(arr: np.ndarray | None) -> list[bytes]:
     return images
 
 
-def _text(name: str, arr: np.ndarray | None) -> str | None:
+def _text(name: str, arr: np.ndarray | None, max_bytes: int | None = None) -> str | None:
+    """max_bytes: refused undecoded when longer (the engine bounds text by what its context can hold)."""
     raw = _bytes(name, arr)
     if raw is None:
         return None
+    if max_bytes is not None and len(raw) > max_bytes:
+        raise InvalidRequest(f"{name} is too long: {len(raw)} bytes, more than the model's context can hold")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -137,8 +140,9 @@ def _spatial_refs(arr: np.ndarray | None) -> list[tuple[float, ...]] | None:
     return [tuple(float(v) for v in row) for row in arr]
 
 
-def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
-    """`get(name)` returns an input as numpy (None when absent). Raises InvalidRequest naming the input."""
+def parse_request(get: Callable[[str], np.ndarray | None], max_text_bytes: int | None = None) -> WireRequest:
+    """`get(name)` returns an input as numpy (None when absent). Raises InvalidRequest naming the input.
+    max_text_bytes: QUESTION and OBJECT longer than this are refused before they are decoded."""
     skill = _text("SKILL", get("SKILL"))
     if skill is None:
         raise InvalidRequest("SKILL is required")
@@ -165,8 +169,8 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> WireRequest:
     return WireRequest(
         skill=skill,
         image=image,
-        question=_text("QUESTION", get("QUESTION")),
-        object=_text("OBJECT", get("OBJECT")),
+        question=_text("QUESTION", get("QUESTION"), max_text_bytes),
+        object=_text("OBJECT", get("OBJECT"), max_text_bytes),
         length=_text("LENGTH", get("LENGTH")) or "normal",
         stream=bool(_flag("STREAM", get("STREAM"))),
         reasoning=_flag("REASONING", get("REASONING")),
