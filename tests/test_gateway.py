@@ -20,6 +20,8 @@ from client import MoondreamClient
 from client.metrics import metric_sum, scrape
 
 GREEDY = {"temperature": 0, "max_tokens": 10}
+# what the gateway sends for GREEDY: the API's max_tokens bounds reasoning and answer together
+AS_THE_API = {**GREEDY, "max_total_tokens": GREEDY["max_tokens"]}
 PNG_URL = "data:image/png;base64," + base64.b64encode(
     (Path(__file__).parent / "fixtures" / "md2-tiny" / "images" / "small.png").read_bytes()).decode()
 
@@ -63,7 +65,7 @@ def test_every_moondream_method_of_the_official_client_equals_grpc(md, image, pn
     streamed = "".join(md.query(image, "What is this?", stream=True, settings=GREEDY)["answer"])
     assert streamed == grpc.query("What is this?", png, settings=GREEDY)["answer"]
     reasoned, direct = md.query(image, "Why?", reasoning=True, settings=GREEDY), \
-        grpc.query("Why?", png, reasoning=True, settings=GREEDY)
+        grpc.query("Why?", png, reasoning=True, settings=AS_THE_API)
     assert reasoned == {"answer": direct["answer"], "reasoning": direct["reasoning"]}
     refs = [[0.1, 0.2, 0.5, 0.6]]
     assert md.query(image, "This?", spatial_refs=refs, settings=GREEDY)["answer"] == \
@@ -86,8 +88,9 @@ def test_official_chat_and_the_openai_sdk_equal_grpc_chat(gateway, image, png, g
                 {"role": "assistant", "content": "A picture."}, {"role": "user", "content": "Of what?"}]
     over_grpc = [{**m, "content": [{"type": "image", "index": 0}, m["content"][1]]} if i == 1 else m
                  for i, m in enumerate(messages)]
-    expected = grpc.chat(over_grpc, png, settings=GREEDY)
+    expected = grpc.chat(over_grpc, png, settings=AS_THE_API)
     assert expected["message"]["reasoning"]  # (on by default)
+    assert expected["metrics"]["output_tokens"] <= GREEDY["max_tokens"]  # (reasoning included)
     md = moondream.vl(api_key=GATEWAY_KEY, endpoint=gateway.url + "/v1", model="moondream2")
     answer = md.chat(messages, settings=GREEDY)
     assert answer == {"message": expected["message"], "finish_reason": expected["finish_reason"]}
@@ -100,6 +103,7 @@ def test_official_chat_and_the_openai_sdk_equal_grpc_chat(gateway, image, png, g
     assert done.choices[0].message.content == expected["message"]["content"]
     assert done.choices[0].message.reasoning == expected["message"]["reasoning"]
     assert done.usage.prompt_tokens == expected["metrics"]["input_tokens"]
+    assert done.usage.completion_tokens <= 10
     assert done.usage.prompt_tokens_details.cached_tokens >= 720  # (its image prefix, cached by the requests above)
     events = list(sdk.chat.completions.create(model="moondream2", messages=messages, temperature=0,
                                               max_completion_tokens=10, stream=True,

@@ -334,3 +334,26 @@ def test_ten_stops_with_streams_in_flight_exit_0_and_leave_nothing(tmp_path):
         assert stubs and not any(os.path.exists(f"/proc/{pid}") for pid in stubs), stubs
         grpc_port = server.grpc.rsplit(":", 1)[1]
         assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kestrel_{grpc_port}_")]
+
+
+def test_a_full_admission_queue_is_a_429_with_retry_after(tmp_path):
+    server = TritonProcess(tmp_path, KESTREL_MAX_QUEUE="1", KESTREL_MAX_BATCH_SIZE="1")
+    gateway = GatewayProcess(tmp_path, [server.grpc], "--model-name", "moondream2")
+    try:
+        from client.metrics import metric_sum, scrape
+
+        long = {"question": "Tell a long story.", "settings": {"max_tokens": 300, "temperature": 0}}
+        threads = [threading.Thread(target=request, args=(gateway.url, "/v1/query", long)) for _ in range(2)]
+        for t in threads:  # one runs, one waits: the queue is full
+            t.start()
+        deadline = time.time() + 10
+        while metric_sum(scrape(server.metrics), "kestrel_engine_state", state="queue_depth") < 1:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        status, body, head = request(gateway.url, "/v1/query", SMALL)
+        assert status == 429 and head["Retry-After"] == "1" and body["error"]["code"] == "overloaded", body
+        for t in threads:
+            t.join(60)
+    finally:
+        gateway.stop()
+        server.stop()

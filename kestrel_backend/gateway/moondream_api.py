@@ -11,7 +11,8 @@ from typing import AsyncIterator
 
 from client import build_inputs
 from .errors import ApiError
-from .payloads import Limits, flag, image_field, known_fields, routing_key, settings_field, text_field, with_model
+from .payloads import (Limits, counting_reasoning, flag, image_field, known_fields, routing_key, settings_field,
+                       text_field, with_model)
 
 COMMON_FIELDS = {"image_url", "stream", "model", "variant", "settings", "spatial_refs"}
 FIELDS = {"query": COMMON_FIELDS | {"question", "reasoning"}, "caption": COMMON_FIELDS | {"length"},
@@ -39,7 +40,8 @@ async def parse(skill: str, body: dict, limits: Limits, served: list[str]) -> Ca
         image = await image_field(body["image_url"], limits)
     kw = dict(image=image, settings=settings)
     if skill == "query":
-        kw.update(question=text_field(body, "question", required=True), reasoning=flag(body, "reasoning"))
+        kw.update(question=text_field(body, "question", required=True), reasoning=flag(body, "reasoning"),
+                  settings=counting_reasoning(settings))
     elif skill == "caption":
         kw.update(length=text_field(body, "length") or "normal")
     else:

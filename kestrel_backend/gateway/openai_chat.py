@@ -14,13 +14,13 @@ from typing import AsyncIterator
 from client import build_inputs
 from .errors import ApiError
 from .moondream_api import Call, sse
-from .payloads import Limits, flag, image_field, routing_key, with_model
+from .payloads import Limits, counting_reasoning, flag, image_field, routing_key, with_model
 
 
 async def parse(body: dict, limits: Limits, served: list[str]) -> tuple[Call, str]:
     """-> (the call, the model name to answer with)."""
     model = body.get("model") or served[0]
-    settings = with_model({"model": model}, _settings(body), served)
+    settings = counting_reasoning(with_model({"model": model}, _settings(body), served))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")

@@ -173,6 +173,14 @@ def _with_variant(body: dict, settings: dict | None) -> dict | None:
     return settings
 
 
+def counting_reasoning(settings: dict | None) -> dict | None:
+    """The API's max_tokens bounds what the caller gets, reasoning included (as the cloud counts it): sent to the
+    engine as max_total_tokens too (its max_tokens alone bounds reasoning and answer each, as the reference does)."""
+    if settings and settings.get("max_tokens") is not None and "max_total_tokens" not in settings:
+        return {**settings, "max_total_tokens": settings["max_tokens"]}
+    return settings
+
+
 def routing_key(image: bytes | None, settings: dict | None) -> str | None:
     """What a replica's caches depend on: the image, and the adapter (the KV of an image's prefix differs by
     adapter)."""

@@ -10,7 +10,7 @@ one decode step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -132,8 +132,8 @@ class ReasoningThenAnswer(Generation):
             self.finish_reason = self.answer.finish_reason
             return nxt
         self._steps += 1
-        if token == self.tok.answer_id or len(self.reasoning_tokens) >= self.settings.max_tokens:
-            self.answer = TextGeneration(self.tok, self.settings, seed=self._seed + 1)
+        if token == self.tok.answer_id or len(self.reasoning_tokens) >= self._reasoning_limit:
+            self.answer = TextGeneration(self.tok, self._answer_settings(), seed=self._seed + 1)
             return self.tok.answer_id
         if token in (self.tok.start_ground_points_id, self.tok.end_ground_id):
             self.chunks.append([])
@@ -145,6 +145,20 @@ class ReasoningThenAnswer(Generation):
             self.coords[-1].append(float(coord))
             return self.model.coordinate_embedding(coord)
         return token
+
+
+    @property
+    def _reasoning_limit(self) -> int:
+        """max_tokens, or less where max_total_tokens leaves the answer at least one token."""
+        total = self.settings.max_total_tokens
+        return self.settings.max_tokens if total is None else max(0, min(self.settings.max_tokens, total - 1))
+
+    def _answer_settings(self) -> Settings:
+        total = self.settings.max_total_tokens
+        if total is None:
+            return self.settings
+        return replace(self.settings, max_tokens=max(1, min(self.settings.max_tokens,
+                                                            total - len(self.reasoning_tokens))))
 
 
 class RegionGeneration(Generation):

@@ -12,7 +12,7 @@ DEFAULT_TEMPERATURE = 0.2
 DEFAULT_TOP_P = 0.9
 DEFAULT_MAX_TOKENS = 768
 DEFAULT_MAX_OBJECTS = 150
-KEYS = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "adapter", "variant")
+KEYS = ("temperature", "top_p", "max_tokens", "max_total_tokens", "max_objects", "seed", "adapter", "variant")
 # Adapter ids name a folder or file: letters, digits and . _ - @ (Kestrel's "<finetune_id>@<step>"), no path; they
 # may follow a model's name and a slash, as the official fine-tuning client names them (moondream3-preview/<id>@<n>)
 ADAPTER_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}/)?[A-Za-z0-9_\-@][A-Za-z0-9_.\-@]{0,127}")
@@ -30,6 +30,9 @@ class Settings:
     max_objects: int = DEFAULT_MAX_OBJECTS
     seed: int | None = None
     adapter: str | None = None  # LoRA adapter id ("variant" in the reference's settings)
+    # reasoning and answer together (the cloud API's max_tokens, which the gateway sends as this); max_tokens alone
+    # bounds each of them, as in the reference
+    max_total_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, values: dict | None, max_tokens_limit: int = 2048, max_objects_limit: int = 150,
@@ -42,9 +45,11 @@ class Settings:
         s = cls(
             temperature=_number(values, "temperature", temperature, 0.0, 2.0),
             top_p=_number(values, "top_p", top_p, 0.0, 1.0, low_open=True),
-            max_tokens=_integer(values, "max_tokens", DEFAULT_MAX_TOKENS, 1, max_tokens_limit),
+            max_tokens=_integer(values, "max_tokens", min(DEFAULT_MAX_TOKENS, max_tokens_limit), 1, max_tokens_limit),
             max_objects=_integer(values, "max_objects", min(DEFAULT_MAX_OBJECTS, max_objects_limit), 1, max_objects_limit),
             seed=None if values.get("seed") is None else _integer(values, "seed", 0, 0, 2**63 - 1),
+            max_total_tokens=None if values.get("max_total_tokens") is None else
+            _integer(values, "max_total_tokens", 0, 1, 2 * max_tokens_limit),
             adapter=_adapter(values),
         )
         return s
