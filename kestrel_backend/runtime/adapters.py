@@ -160,7 +160,8 @@ class AdapterRegistry:
                 return [download_adapter(adapter_id, self.folders[0])]
             except Exception as e:
                 log.warning("adapter %s: download failed: %s: %s", adapter_id, type(e).__name__, e)
-                raise InvalidRequest(f"adapter {adapter_id!r} not found: not here, and its download failed") from None
+                why = "" if isinstance(e, OSError) else f" ({type(e).__name__}: {e})"  # (a file error names a path)
+                raise InvalidRequest(f"adapter {adapter_id!r}: not found locally and its download failed{why}") from None
         # (the folders searched go to the log, not to the caller: no server path in an answer)
         log.info("adapter %s not found in %s", adapter_id, ", ".join(str(f) for f in self.folders))
         raise InvalidRequest(f"adapter {adapter_id!r} not found (an adapter is <id>/final.pt, <id>.safetensors or "
