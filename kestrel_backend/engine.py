@@ -71,6 +71,10 @@ class EngineStream:
     def cancel(self) -> None:
         self._delivery.cancel()
 
+    async def ended(self) -> None:
+        """After cancel(): until the engine has let go of the request (its pages freed)."""
+        await self._delivery.ended()
+
 
 class InferenceEngine:
     def __init__(self, config: RuntimeConfig, model: Moondream, refiner_head=None):
@@ -350,16 +354,20 @@ class InferenceEngine:
         delivery = Delivery(asyncio.get_running_loop(), stream)
         admit = self._admit(skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived, object_text,
                             later_images)
+        admitted = False
         try:
             if delivery.loop is self.loop:  # a caller on the engine loop (the Triton adapter): no hop between loops
                 await admit
             else:
                 await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(admit, self.loop))
+            admitted = True
             if stream:
                 return EngineStream(delivery)
             return await delivery.result
         except asyncio.CancelledError:
             delivery.cancel()  # the caller went away: drop the request at the next step
+            if admitted:
+                await delivery.ended()
             raise
 
     async def _admit(self, skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived: float,

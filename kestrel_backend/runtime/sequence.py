@@ -70,6 +70,14 @@ class Delivery:
         self.cancelled.set()
         self.result.add_done_callback(lambda future: future.cancelled() or future.exception())
 
+    async def ended(self, timeout_s: float = 2.0) -> None:
+        """Until the engine has let go of the request (its result set, its pages freed): after cancel(), so that
+        what the caller reports next (its final response, the engine's gauges) sees the pages back."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.result), timeout_s)
+        except BaseException:  # (its error, a cancellation, or the timeout: the engine lets go at its next step)
+            pass
+
     def _call(self, fn, *args):
         """fn(*args) on the caller's loop: at once when the engine thread runs that loop itself (the Triton
         adapter's requests), else queued to it from the engine thread."""

@@ -49,6 +49,7 @@ class TritonAdapter:
         self.metrics = TritonMetrics(pb)
         self.outbox = Outbox(pb)
         self._inflight: dict[asyncio.Task, object] = {}
+        self._inflight_lock = threading.Lock()
         self._stopping = threading.Event()
         self.stop_probe = StopProbe.for_parent_server(self.model_name)
         if self.stop_probe is None:
@@ -113,8 +114,9 @@ class TritonAdapter:
                                      settings.get("adapter") or settings.get("variant"), m.get("cached_tokens", 0))
             final = final or Outgoing(sender, final=True)
             final.before = lambda: (done(), self.metrics.engine_state(self.engine.stats()))
-            self.outbox.put(final)  # (its metrics go out while the request is still in flight)
-            self._inflight.pop(asyncio.current_task(), None)
+            with self._inflight_lock:  # (no gauge update is queued behind the last request's final response)
+                self._inflight.pop(asyncio.current_task(), None)
+                self.outbox.put(final)  # (its metrics go out while the request is still in flight)
 
     async def _call(self, wire: WireRequest, stream: bool):
         e = self.engine
@@ -143,6 +145,7 @@ class TritonAdapter:
             result = await stream.result()
         except asyncio.CancelledError:
             stream.cancel()
+            await stream.ended()  # (the final response, and the gauges with it, then see its pages back)
             raise
         return result, Outgoing(sender, final_stream_body(request_id, result, remainder), final=True)
 
@@ -150,15 +153,19 @@ class TritonAdapter:
     def _watch(self) -> None:
         """Cancel requests whose client went away; drain once the server stops; keep the engine gauges fresh; stop
         an unhealthy server."""
+        cancelled: set[asyncio.Task] = set()
         while not self._stopping.wait(WATCH_INTERVAL_S):
             for task, sender in list(self._inflight.items()):
-                if sender.is_cancelled():
+                if task not in cancelled and sender.is_cancelled():
+                    cancelled.add(task)  # (once: a second cancel would cut short its wait for its pages)
                     self.engine.loop.call_soon_threadsafe(task.cancel)
+            cancelled &= set(self._inflight)
             if self.stop_probe and not self.engine.draining and self.stop_probe.stopping():
                 self.outbox.stop_metrics()  # (the server unloads the model once no request is in flight)
                 self.engine.drain()
-            if self._inflight:  # (see outbox.py: metric updates only while a request is in flight)
-                self.outbox.call(self.metrics.engine_state, self.engine.stats())
+            with self._inflight_lock:  # (see outbox.py: metric updates only while a request is in flight)
+                if self._inflight:
+                    self.outbox.call(self.metrics.engine_state, self.engine.stats())
             if not self.engine.healthy:
                 self._stop_server()
                 return
@@ -178,5 +185,3 @@ class TritonAdapter:
         TE = self.pb.TritonError
         return Outgoing(sender, final=True, error=TE(message, TE.UNAVAILABLE) if unavailable else TE(message))
 
-    def _send_error(self, sender, message: str, unavailable: bool = False) -> None:
-        self.outbox.put(self._error(sender, message, unavailable))
