@@ -357,3 +357,23 @@ def test_a_full_admission_queue_is_a_429_with_retry_after(tmp_path):
     finally:
         gateway.stop()
         server.stop()
+
+
+def test_the_gateway_listens_on_loopback_unless_told_otherwise(triton_server, tmp_path):
+    """Its default --host is 127.0.0.1 (as a database's is): the socket is bound to loopback, not every interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "gateway.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel_backend.gateway", "--triton", triton_server.grpc,
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 30
+        while not (listening := subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True,
+                                               text=True).stdout.split()):
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "gateway.log").read_text()
+            time.sleep(0.2)
+        assert listening[3] == f"127.0.0.1:{port}", listening
+    finally:
+        proc.terminate()
+        proc.wait(30)
