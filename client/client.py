@@ -1,4 +1,7 @@
-"""Seed-style test client: runs every skill against a server.  python client/client.py --url localhost:8001 --image PATH"""
+"""Seed-style test client: runs every skill the server's model has (segment only on Moondream 3) against a server.
+
+    python client/client.py --url localhost:8001 --image PATH
+"""
 
 import argparse
 import json
@@ -6,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from client import MoondreamClient  # noqa: E402
+from client import MoondreamClient, MoondreamError  # noqa: E402
 
 
 def main() -> int:
@@ -24,6 +27,12 @@ def main() -> int:
     print()
     print("detect:", json.dumps(c.detect(image, "face")))
     print("point:", json.dumps(c.point(image, "eye")))
+    chat = [{"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": "What is it?"}]}]
+    print("chat:", json.dumps(c.chat(chat, image, settings={"max_tokens": 32})))
+    try:
+        print("segment:", json.dumps(c.segment(image, "face", settings={"max_tokens": 64})))
+    except MoondreamError as e:  # (Moondream 2 has no segment)
+        print("segment:", e)
     return 0
 
 

@@ -11,9 +11,10 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from .model.config import FP8_EXPERT_MODES
+
 TINY_CHECKPOINT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny"
 DTYPES = ("float32", "bfloat16", "float16")
-FP8_EXPERT_MODES = ("widen", "fp8", "both")  # KESTREL_FP8_EXPERTS
 # KESTREL_PREFIX_AHEAD's default (-1) by model and batch: on for a mixture of experts from PREFIX_AHEAD_MIN_BATCH slots
 # (H100, Kestrel's method, Moondream 3: chain of thought 4 and 9% faster at batch 64 and 16, direct 1 to 2%; at batch
 # 4 direct 17% slower, at 1 2%; Moondream 2, dense, 1 to 3% slower at 16 and 64, so off there)

@@ -27,7 +27,7 @@ are widened to bf16 (weight * scale, one pass) into scratch, unless widened copi
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +36,8 @@ import triton.language as tl
 
 from .moe_lora import ExpertLora, pair_delta
 
-if TYPE_CHECKING:  # (the expert weights' holder: model/ imports this module, not the other way)
-    from ..model.weights import MoE
+# MoE, what these kernels read of a layer's experts, is a Protocol at the end of this file (model.weights.MoE has it;
+# model/ imports this module, not the other way round). It sits there so that no kernel's line moves.
 
 
 @triton.jit
@@ -785,3 +785,14 @@ def _moe_gemv(x, fc1, fc1_scale, fc2, fc2_scale, ids, gates, lora: ExpertLora | 
         pair_delta(act, lora.down_a, lora.down_bt, lora, out, top_k, top_k, ids, src_by_token=False,
                    gates=gates.reshape(-1))
     return out
+
+
+class MoE(Protocol):
+    router: Any  # a Linear: .weight [E, dim], .bias [E]
+    fc1: torch.Tensor  # [E, 2 * inner, dim]
+    fc2: torch.Tensor  # [E, dim, inner]
+    top_k: int
+    fc1_scale: torch.Tensor | None  # FP8 experts' row scales
+    fc2_scale: torch.Tensor | None
+    fc1_wide: torch.Tensor | None  # the same experts widened (KESTREL_FP8_EXPERTS=both)
+    fc2_wide: torch.Tensor | None

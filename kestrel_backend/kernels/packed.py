@@ -55,17 +55,9 @@ class PackedWeight:
         return self
 
     def dequantize(self) -> torch.Tensor:
-        """W [N, K] in self.dtype: the reference's bf16 values (a transient copy: prefill and eager paths)."""
-        if self.data.is_cuda:
-            from .w4a16_kernels import dequantize_packed
-
-            return dequantize_packed(self)
+        """W [N, K] in self.dtype: the reference's bf16 values, in torch on any device (kernels/dense.py's dense()
+        takes the Triton kernel on a GPU)."""
         n, k = self.shape
         q = torch.stack([self.data & 0b1111, self.data >> 4], dim=-1).reshape(-1, self.group)
         w = q.to(torch.bfloat16).sub_(self.zero.float()[:, None]).mul_(self.scale.float()[:, None])
         return w.reshape(n, k).to(self.dtype)
-
-
-def dense(weight: torch.Tensor | PackedWeight) -> torch.Tensor:
-    """A weight as a tensor: packed ones dequantized for this use only."""
-    return weight.dequantize() if isinstance(weight, PackedWeight) else weight

@@ -13,6 +13,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# How a checkpoint's FP8 experts are kept (KESTREL_FP8_EXPERTS): widened to the dtype, both, or FP8 only
+FP8_EXPERT_MODES = ("widen", "fp8", "both")
+
 
 @dataclass(frozen=True)
 class MoeConfig:

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from ..kernels.packed import dense
+from ..kernels.dense import dense
 from .weights import LayerNorm, Linear, MLP
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .config import TextConfig
 from .layers import layer_norm, linear, mlp, mlp_hidden
 from .lora import LoraRows, SlotRows
-from ..kernels.packed import dense
+from ..kernels.dense import dense
 from .weights import MoE, Tau, TextBlock, TextWeights
 
 

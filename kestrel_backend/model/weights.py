@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import FP8_EXPERT_MODES
-from .config import MoondreamConfig
+from .config import FP8_EXPERT_MODES, MoondreamConfig
 from ..kernels.packed import PackedWeight
 
 

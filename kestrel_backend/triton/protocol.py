@@ -1,4 +1,5 @@
-"""Wire format of the `moondream` model: request tensors in, JSON TEXT_OUTPUT bodies out (see DESIGN.md)."""
+"""Wire format of the `moondream` model: request tensors in, JSON TEXT_OUTPUT bodies out (README's table of inputs,
+docs/architecture.md's "Wire format")."""
 
 from __future__ import annotations
 
