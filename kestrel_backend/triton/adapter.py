@@ -113,10 +113,12 @@ class TritonAdapter:
                                      m["ttft_ms"] / 1000 if m else None, m.get("output_tokens", 0),
                                      settings.get("adapter") or settings.get("variant"), m.get("cached_tokens", 0))
             final = final or Outgoing(sender, final=True)
-            final.before = lambda: (done(), self.metrics.engine_state(self.engine.stats()))
             with self._inflight_lock:  # (no gauge update is queued behind the last request's final response)
+                last = len(self._inflight) == 1
+                # its metrics go out while it is still in flight; the last one's carry the gauges of an idle engine
+                final.before = (lambda: (done(), self.metrics.engine_state(self.engine.stats()))) if last else done
                 self._inflight.pop(asyncio.current_task(), None)
-                self.outbox.put(final)  # (its metrics go out while the request is still in flight)
+                self.outbox.put(final)
 
     async def _call(self, wire: WireRequest, stream: bool):
         e = self.engine

@@ -28,6 +28,7 @@ class TritonMetrics:
         self._families = (self._requests, self._tokens, self._cached, self._ttft, self._latency,
                           self._adapter_requests, gauges, prefix_hits)
         self._metrics: dict = {}
+        self._gauge_values: dict = {}  # what each engine gauge was last set to
 
     def _metric(self, family, labels: dict, **kw):
         key = (id(family), tuple(sorted(labels.items())))
@@ -49,12 +50,13 @@ class TritonMetrics:
             self._metric(self._cached, {"skill": skill}).increment(cached_tokens)
 
     def engine_state(self, stats: dict) -> None:
-        self._gauges["queue_depth"].set(stats["queue_depth"])
-        self._gauges["running"].set(stats["running"])
-        self._gauges["kv_pages_used"].set(stats["pages_used"])
-        self._gauges["kv_pages_cached"].set(stats["pages_cached"])
-        self._gauges["kv_pages_total"].set(stats["pages_total"])
-        self._gauges["draining"].set(stats["draining"])
+        """The gauges that changed (each update is a round trip to tritonserver)."""
+        for gauge, key in (("queue_depth", "queue_depth"), ("running", "running"), ("kv_pages_used", "pages_used"),
+                           ("kv_pages_cached", "pages_cached"), ("kv_pages_total", "pages_total"),
+                           ("draining", "draining")):
+            if self._gauge_values.get(gauge) != stats[key]:
+                self._gauges[gauge].set(stats[key])
+                self._gauge_values[gauge] = stats[key]
         new_hits = stats["prefix_hits"] - self._prefix_hits_counted  # (the engine's count only grows)
         if new_hits:
             self._prefix_hits.increment(new_hits)

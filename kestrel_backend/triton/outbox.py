@@ -12,7 +12,8 @@ once the server starts unloading the model it reads the stub's messages no more,
 holding the GIL (the stub then never finishes finalize(), tritonserver waits out its exit timeout and leaves the
 stub behind). So a metric update is only made while tritonserver is sure to answer: while some request is in flight
 (it unloads no model with requests in flight). A request's own metrics run just before its final response
-(Outgoing.before), and every update stops once the server is seen stopping (stop_metrics).
+(Outgoing.before; the last request in flight also carries the engine's gauges), and every update stops once the
+server is seen stopping (stop_metrics).
 """
 
 from __future__ import annotations
