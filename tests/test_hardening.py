@@ -307,33 +307,45 @@ def test_links_reach_allowed_hosts_only_and_fail_alike(links):
 
 # --- a stop never hangs ---
 
-def test_ten_stops_with_streams_in_flight_exit_0_and_leave_nothing(tmp_path):
-    for i in range(10):
-        server = TritonProcess(tmp_path / str(i) if (tmp_path / str(i)).mkdir() is None else tmp_path)
-        stubs = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
-        client = MoondreamClient(server.grpc, timeout=60)
-        ends = []
+def _stop_with_streams_in_flight(work: Path) -> None:
+    """A server with two streams running gets SIGTERM: it exits 0 within its exit timeout, both streams end (whole,
+    or with the drain's error), and neither its stub process nor its shared-memory region is left."""
+    server = TritonProcess(work)
+    stubs = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    client = MoondreamClient(server.grpc, timeout=60)
+    ends = []
 
-        def stream():
-            try:
-                ends.append(list(client.stream("caption", image=PNG, length="long",
-                                               settings={"max_tokens": 40, "temperature": 0}))[-1]["completed"])
-            except Exception as e:  # noqa: BLE001 - a drain error is an answer too
-                ends.append(str(e))
-        threads = [threading.Thread(target=stream) for _ in range(2)]
-        for t in threads:
-            t.start()
-        time.sleep(0.3)
-        t0 = time.perf_counter()
-        server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(35) == 0, server.log.read_text()[-2000:]
-        assert time.perf_counter() - t0 < 30
-        for t in threads:
-            t.join(30)
-        assert len(ends) == 2
-        assert stubs and not any(os.path.exists(f"/proc/{pid}") for pid in stubs), stubs
-        grpc_port = server.grpc.rsplit(":", 1)[1]
-        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kestrel_{grpc_port}_")]
+    def stream():
+        try:
+            ends.append(list(client.stream("caption", image=PNG, length="long",
+                                           settings={"max_tokens": 40, "temperature": 0}))[-1]["completed"])
+        except Exception as e:  # noqa: BLE001 - a drain error is an answer too
+            ends.append(str(e))
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(35) == 0, server.log.read_text()[-2000:]
+    assert time.perf_counter() - t0 < 30
+    for t in threads:
+        t.join(30)
+    assert len(ends) == 2
+    assert stubs and not any(os.path.exists(f"/proc/{pid}") for pid in stubs), stubs
+    grpc_port = server.grpc.rsplit(":", 1)[1]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kestrel_{grpc_port}_")]
+
+
+def test_ten_stops_with_streams_in_flight_exit_0_and_leave_nothing(tmp_path):
+    """Ten servers, two at a time (CI's time), each stopped with streams in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    works = [tmp_path / str(i) for i in range(10)]
+    for w in works:
+        w.mkdir()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(_stop_with_streams_in_flight, works))  # (re-raises the first failure)
 
 
 def test_a_full_admission_queue_is_a_429_with_retry_after(tmp_path):

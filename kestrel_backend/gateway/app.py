@@ -59,26 +59,29 @@ def create_app(config: GatewayConfig) -> Starlette:
     def endpoint(name: str, handler, authenticated: bool = True, limited: bool = True):
         """authenticated: the caller's key is checked (where keys are set); limited: and its limits applied."""
         async def serve(request: Request) -> Response:
-            t0, limits = time.perf_counter(), None
+            t0, limits, streaming = time.perf_counter(), None, False
             try:
-                key = config.api_keys.check(request.headers) if authenticated else None
-                if key is not None and limited:
-                    key.admit()
-                    limits = key
-                response = await handler(request)
-            except ApiError as e:
-                response = e.response()
-            except Exception:  # a bug, not the caller's fault: still the JSON shape, and counted
-                log.exception("%s %s failed", request.method, request.url.path)
-                response = ApiError(500, "internal error").response()
-            if isinstance(response, StreamingResponse):
-                response.body_iterator = _timed(response.body_iterator, metrics, name, t0, limits)
-            else:
-                metrics.latency.labels(name).observe(time.perf_counter() - t0)
-                if limits is not None:
+                try:
+                    key = config.api_keys.check(request.headers) if authenticated else None
+                    if key is not None and limited:
+                        key.admit()
+                        limits = key
+                    response = await handler(request)
+                except ApiError as e:
+                    response = e.response()
+                except Exception:  # a bug, not the caller's fault: still the JSON shape, and counted
+                    log.exception("%s %s failed", request.method, request.url.path)
+                    response = ApiError(500, "internal error").response()
+                streaming = isinstance(response, StreamingResponse)
+                if streaming:  # (the stream holds the key's slot until its last event)
+                    response.body_iterator = _timed(response.body_iterator, metrics, name, t0, limits)
+                else:
+                    metrics.latency.labels(name).observe(time.perf_counter() - t0)
+                metrics.requests.labels(name, str(response.status_code)).inc()
+                return response
+            finally:
+                if limits is not None and not streaming:
                     limits.release()
-            metrics.requests.labels(name, str(response.status_code)).inc()
-            return response
         return serve
 
     async def moondream(request: Request) -> Response:

@@ -61,7 +61,7 @@ class LinkFetcher:
                     raise Refused(url)
                 port = target.port or (443 if target.scheme == "https" else 80)
                 address = await self._address(target.host, port)
-                pinned = target.copy_with(host=address if ":" not in address else f"[{address}]", port=port)
+                pinned = target.copy_with(host=address, port=port)
                 headers = {"Host": target.netloc.decode("ascii")}
                 request = http.build_request("GET", pinned, headers=headers,
                                              extensions={"sni_hostname": target.host})

@@ -48,7 +48,10 @@ async def json_body(request: Request, limits: Limits) -> dict:
         raise ApiError(400, "the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    _refuse_surrogates(body, "body")
+    try:
+        _refuse_surrogates(body, "body")
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     return body
 
 
@@ -72,7 +75,7 @@ def _refuse_surrogates(value, where: str) -> None:
     elif isinstance(value, dict):
         for k, v in value.items():
             _refuse_surrogates(k, where)
-            _refuse_surrogates(v, f"{where}.{k}" if where != "body" else k)
+            _refuse_surrogates(v, f"{where}.{shown(k, 40)}" if where != "body" else shown(k, 40))
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _refuse_surrogates(v, f"{where}[{i}]")
