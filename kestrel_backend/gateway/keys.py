@@ -90,21 +90,21 @@ class ApiKeys:
 
 
 def _limits(words: list[str], where: str) -> KeyLimits:
-    limits = KeyLimits()
+    concurrency = rate = None
+    burst = 1.0
     for word in words:
         name, _, value = word.partition("=")
         try:
             if name == "concurrency" and int(value) > 0:
-                limits.concurrency = int(value)
+                concurrency = int(value)
                 continue
             if name == "rate":
                 count, _, unit = value.partition("/")
                 per = {"s": 1.0, "m": 60.0, "h": 3600.0}[unit or "s"]
                 if float(count) >= 1:
-                    limits.rate, limits.burst = float(count) / per, float(count)
+                    rate, burst = float(count) / per, float(count)
                     continue
         except (ValueError, KeyError):
             pass
         raise ValueError(f"{where}: {word!r} is not a limit (concurrency=N, rate=N/s, N/m or N/h)")
-    limits.__post_init__()
-    return limits
+    return KeyLimits(concurrency, rate, burst)

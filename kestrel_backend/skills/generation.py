@@ -146,7 +146,6 @@ class ReasoningThenAnswer(Generation):
             return self.model.coordinate_embedding(coord)
         return token
 
-
     @property
     def _reasoning_limit(self) -> int:
         """max_tokens, or less where max_total_tokens leaves the answer at least one token."""
