@@ -79,36 +79,57 @@ def _huge_beside_small(grpc: str, model: str) -> tuple[float, float, str]:
 
 def test_a_30_mb_question_is_refused_at_once_and_stalls_no_one_over_grpc(triton_server):
     """Against the same 30 MB sent to a model name tritonserver refuses at its door (the transport's own cost on this
-    machine): the engine's refusal adds under 100 ms, and a query sent meanwhile waits under 50 ms longer. Best of
-    three (the other xdist worker shares the two CPUs)."""
+    machine): the engine's refusal adds under 100 ms, and a query sent meanwhile waits under 50 ms longer. Up to six
+    rounds, until one shows both (the other xdist worker shares the two CPUs; tokenizing 30 MB took 11 s, every
+    round)."""
     extra = []
-    for _ in range(3):
+    for _ in range(6):
         transport, stalled_by_transport, _ = _huge_beside_small(triton_server.grpc, "no-such-model")
         took, stalled, answer = _huge_beside_small(triton_server.grpc, "moondream")
         assert "QUESTION is too long" in answer, answer
         extra.append((took - transport, stalled - stalled_by_transport))
-    assert min(e[0] for e in extra) < 0.1, extra
-    assert min(e[1] for e in extra) < 0.05, extra
+        if extra[-1][0] < 0.1 and extra[-1][1] < 0.05:
+            return
+    raise AssertionError(f"no round refused in under 100 ms and stalled a query under 50 ms: {extra}")
 
 
-def test_a_30_mb_question_through_the_gateway(gateway):
-    result = {}
+GATEWAY_HUGE_SENDER = """
+import json, sys, time, urllib.error, urllib.request
+body = json.dumps({"model": sys.argv[2], "question": "a" * int(sys.argv[3])}).encode()
+r = urllib.request.Request(sys.argv[1] + "/v1/query", data=body, headers={"X-Moondream-Auth": sys.argv[4]})
+t = time.perf_counter()
+try:
+    urllib.request.urlopen(r, timeout=60)
+except urllib.error.HTTPError as e:
+    print(e.code, e.read().decode()[:200])
+print(time.perf_counter() - t)
+"""
 
-    def huge():
-        t = time.perf_counter()
-        result["answer"] = request(gateway.url, "/v1/query", {"question": "a" * HUGE}, KEY)
-        result["took"] = time.perf_counter() - t
 
-    quiet = sorted(_timed(lambda: request(gateway.url, "/v1/query", SMALL, KEY)) for _ in range(5))[2]
-    thread = threading.Thread(target=huge)
-    thread.start()
-    busy = []
-    while thread.is_alive():
-        busy.append(_timed(lambda: request(gateway.url, "/v1/query", SMALL, KEY)))
-    thread.join()
-    status, body, _ = result["answer"]
-    assert status == 400 and "too long" in body["error"]["message"], result
-    assert max(busy) - quiet < 0.05 + 0.4, (quiet, busy)  # (the upload itself takes the machine's CPUs a while)
+def _huge_beside_small_through_the_gateway(url: str, model: str) -> tuple[float, float, str]:
+    """As _huge_beside_small, through the gateway's HTTP door."""
+    sender = subprocess.Popen([sys.executable, "-c", GATEWAY_HUGE_SENDER, url, model, str(HUGE), GATEWAY_KEY],
+                              stdout=subprocess.PIPE, text=True)
+    longest = 0.0
+    while sender.poll() is None:
+        longest = max(longest, _timed(lambda: request(url, "/v1/query", SMALL, KEY)))
+    *answer, took = sender.communicate()[0].strip().splitlines()
+    return float(took), longest, " ".join(answer)
+
+
+def test_a_30_mb_question_is_refused_at_once_and_stalls_no_one_through_the_gateway(gateway):
+    """As over gRPC, against the same 30 MB sent for a model the gateway refuses once it has read the body (the
+    upload's and the JSON's own cost): the engine's refusal adds under 100 ms, a query meanwhile waits under 50 ms
+    longer."""
+    extra = []
+    for _ in range(6):
+        transport, stalled_by_transport, refused = _huge_beside_small_through_the_gateway(gateway.url, "no-such-model")
+        took, stalled, answer = _huge_beside_small_through_the_gateway(gateway.url, "moondream2")
+        assert refused.startswith("404") and answer.startswith("400") and "too long" in answer, (refused, answer)
+        extra.append((took - transport, stalled - stalled_by_transport))
+        if extra[-1][0] < 0.1 and extra[-1][1] < 0.05:
+            return
+    raise AssertionError(f"no round refused in under 100 ms and stalled a query under 50 ms: {extra}")
 
 
 def _timed(fn) -> float:
@@ -354,18 +375,25 @@ def test_a_full_admission_queue_is_a_429_with_retry_after(tmp_path):
     try:
         from client.metrics import metric_sum, scrape
 
-        long = {"question": "Tell a long story.", "settings": {"max_tokens": 300, "temperature": 0}}
-        threads = [threading.Thread(target=request, args=(gateway.url, "/v1/query", long)) for _ in range(2)]
-        for t in threads:  # one runs, one waits: the queue is full
-            t.start()
-        deadline = time.time() + 60  # (a synchronisation, not a bound: the CI machine may be busy)
-        while metric_sum(scrape(server.metrics), "kestrel_engine_state", state="queue_depth") < 1:
-            assert time.time() < deadline
-            time.sleep(0.05)
+        def until(state: str) -> None:  # (a synchronisation, not a bound: the CI machine may be busy)
+            deadline = time.time() + 60
+            while metric_sum(scrape(server.metrics), "kestrel_engine_state", state=state) < 1:
+                assert time.time() < deadline, state
+                time.sleep(0.02)
+
+        long = {"question": "Tell a long story.", "settings": {"max_tokens": 400, "temperature": 0}}
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(request(gateway.url, "/v1/query", long)))
+                   for _ in range(2)]
+        threads[0].start()
+        until("running")  # one runs (sent one after the other: while the first is admitted, it fills the queue)
+        threads[1].start()
+        until("queue_depth")  # one waits: the queue is full
         status, body, head = request(gateway.url, "/v1/query", SMALL)
         assert status == 429 and head["Retry-After"] == "1" and body["error"]["code"] == "overloaded", body
         for t in threads:
-            t.join(60)
+            t.join(120)
+        assert [a[0] for a in answers] == [200, 200], answers
     finally:
         gateway.stop()
         server.stop()

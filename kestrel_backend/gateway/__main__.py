@@ -37,6 +37,8 @@ def main(argv=None) -> None:
                    "KESTREL_GATEWAY_API_KEYS, comma-separated); without any key the gateway is open")
     p.add_argument("--max-body-mb", type=float, default=32)
     p.add_argument("--max-image-mb", type=float, default=20)
+    p.add_argument("--max-text-chars", type=int, default=4 * 2**20, help="longest text (a question, an object, a chat's "
+                   "text in all) sent on to the model; longer is a 400 at once")
     p.add_argument("--fetch-image-urls", action="store_true", help="fetch http(s) image links (refused otherwise); "
                    "only public addresses unless --fetch-allow names others")
     p.add_argument("--fetch-allow", action="append", default=[], help="a network links may reach although not "
@@ -55,7 +57,7 @@ def main(argv=None) -> None:
         upstream=Upstream(a.triton_model, a.triton, a.triton_dns, a.triton_file, a.refresh_s), served=served,
         api_keys=ApiKeys.load(os.environ, a.api_keys_file),
         limits=Limits(int(a.max_body_mb * 2**20), int(a.max_image_mb * 2**20), a.fetch_image_urls, a.fetch_timeout,
-                      tuple(a.fetch_allow), a.body_timeout),
+                      tuple(a.fetch_allow), a.body_timeout, a.max_text_chars),
         request_timeout_s=a.request_timeout)
     if not config.api_keys:
         logging.getLogger("kestrel.gateway").warning("no API key configured: the gateway is open to every caller "

@@ -40,12 +40,12 @@ async def parse(skill: str, body: dict, limits: Limits, served: list[str]) -> Ca
         image = await image_field(body["image_url"], limits)
     kw = dict(image=image, settings=settings)
     if skill == "query":
-        kw.update(question=text_field(body, "question", required=True), reasoning=flag(body, "reasoning"),
+        kw.update(question=text_field(body, "question", limits, required=True), reasoning=flag(body, "reasoning"),
                   settings=counting_reasoning(settings))
     elif skill == "caption":
-        kw.update(length=text_field(body, "length") or "normal")
+        kw.update(length=text_field(body, "length", limits) or "normal")
     else:
-        kw.update(object=text_field(body, "object", required=True))
+        kw.update(object=text_field(body, "object", limits, required=True))
     refs = body.get("spatial_refs")
     if refs is not None:
         if not isinstance(refs, list) or not all(isinstance(r, list) and len(r) in (2, 4) and

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from client import build_inputs
 from .errors import ApiError
 from .moondream_api import Call, sse
-from .payloads import Limits, counting_reasoning, flag, image_field, routing_key, with_model
+from .payloads import Limits, check_text_length, counting_reasoning, flag, image_field, routing_key, with_model
 
 
 async def parse(body: dict, limits: Limits, served: list[str]) -> tuple[Call, str]:
@@ -26,6 +26,7 @@ async def parse(body: dict, limits: Limits, served: list[str]) -> tuple[Call, st
         raise ApiError(400, "messages must be a non-empty list")
     images: list[bytes] = []
     messages = [await _message(i, m, images, limits) for i, m in enumerate(messages)]
+    check_text_length(sum(map(_text_chars, messages)), "messages' text", limits)
     if body.get("n", 1) != 1:
         raise ApiError(400, "n: one choice a request is served")
     stream = bool(flag(body, "stream"))
@@ -67,6 +68,13 @@ async def _message(i: int, m, images: list[bytes], limits: Limits):
             part = {"type": "image", "index": len(images) - 1}
         parts.append(part)
     return {**m, "content": parts}
+
+
+def _text_chars(message: dict) -> int:
+    content = message.get("content")
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(p["text"]) for p in content or () if isinstance(p, dict) and isinstance(p.get("text"), str))
 
 
 def include_usage(body: dict) -> bool:

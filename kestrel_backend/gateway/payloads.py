@@ -24,6 +24,10 @@ class Limits:
     fetch_timeout_s: float = 10.0  # the whole fetch of a link, redirects included
     fetch_allow: tuple[str, ...] = ()  # networks links may reach although not public (e.g. "10.0.0.0/8")
     body_timeout_s: float = 30.0  # the whole request body must arrive within this
+    # Text longer than this is refused here, before it is sent on: no served model's context holds it (128 characters
+    # a token over Moondream 3's 32,768), and sending it on would cost every request on this gateway the upload's
+    # time. (The engine refuses by its own model's limit, which is smaller.)
+    max_text_chars: int = 4 * 2**20
     fetcher: LinkFetcher = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -89,14 +93,21 @@ def known_fields(body: dict, allowed: set[str]) -> None:
                             f"{', '.join(sorted(allowed))}")
 
 
-def text_field(body: dict, name: str, required: bool = False) -> str | None:
+def text_field(body: dict, name: str, limits: Limits, required: bool = False) -> str | None:
     value = body.get(name)
     if value is None and not required:
         return None
     if not isinstance(value, str) or (required and not value.strip()):
         raise ApiError(400, f"{name} is required and must be a non-empty string" if required else
                        f"{name} must be a string")
+    check_text_length(len(value), name, limits)
     return value
+
+
+def check_text_length(chars: int, name: str, limits: Limits) -> None:
+    if chars > limits.max_text_chars:
+        raise ApiError(400, f"{name} is too long: {chars} characters, more than any served model's context can hold "
+                            f"({limits.max_text_chars}, --max-text-chars)")
 
 
 def flag(body: dict, name: str) -> bool | None:

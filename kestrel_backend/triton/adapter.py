@@ -157,11 +157,7 @@ class TritonAdapter:
         an unhealthy server."""
         cancelled: set[asyncio.Task] = set()
         while not self._stopping.wait(WATCH_INTERVAL_S):
-            for task, sender in list(self._inflight.items()):
-                if task not in cancelled and sender.is_cancelled():
-                    cancelled.add(task)  # (once: a second cancel would cut short its wait for its pages)
-                    self.engine.loop.call_soon_threadsafe(task.cancel)
-            cancelled &= set(self._inflight)
+            self._cancel_abandoned(cancelled)
             if self.stop_probe and not self.engine.draining and self.stop_probe.stopping():
                 self.outbox.stop_metrics()  # (the server unloads the model once no request is in flight)
                 self.engine.drain()
@@ -171,6 +167,16 @@ class TritonAdapter:
             if not self.engine.healthy:
                 self._stop_server()
                 return
+
+    def _cancel_abandoned(self, cancelled: set[asyncio.Task]) -> None:
+        """Cancel the requests whose client went away, each once (a second cancel would cut short its wait for its
+        pages). A function of its own so that no loop variable keeps a request's sender alive while the watcher
+        sleeps (see Outbox._run_batch)."""
+        for task, sender in list(self._inflight.items()):
+            if task not in cancelled and sender.is_cancelled():
+                cancelled.add(task)
+                self.engine.loop.call_soon_threadsafe(task.cancel)
+        cancelled &= set(self._inflight)
 
     def _stop_server(self) -> None:
         """The engine cannot serve (device unusable): ask tritonserver (our parent) to shut down. Readiness

@@ -115,18 +115,23 @@ class Outbox:
             items = [self._queue.get()]
             while not self._queue.empty():  # whatever else is waiting: sent in one go, chunks merged
                 items.append(self._queue.get())
-            responses: list[Outgoing] = []
-            for item in items + [None]:
-                if isinstance(item, Outgoing):
-                    responses.append(item)
-                    continue
-                for response in merged(responses):  # (in order, before the call queued after them)
-                    self._run_metric(response.before)
-                    self._send(response)
-                responses = []
-                self._run_metric(item)
-            if any(i is None for i in items):
+            if not self._run_batch(items):
                 return
+
+    def _run_batch(self, items: list) -> bool:
+        """False once the batch held the stop mark. (A function of its own so that no local outlives the batch:
+        a response sender kept alive keeps its response factory, and the model, until its final response is out.)"""
+        responses: list[Outgoing] = []
+        for item in items + [None]:
+            if isinstance(item, Outgoing):
+                responses.append(item)
+                continue
+            for response in merged(responses):  # (in order, before the call queued after them)
+                self._run_metric(response.before)
+                self._send(response)
+            responses = []
+            self._run_metric(item)
+        return not any(i is None for i in items)
 
     def _run_metric(self, call: Callable | None) -> None:
         if call is None or not self._metrics_on:
