@@ -69,14 +69,18 @@ def _wait_ready(server, what: str, url: str, timeout: float) -> None:
 class TritonProcess:
     """A real tritonserver (nvidia-pytriton wheel) on free ports with our repository, tiny checkpoint, CPU."""
 
-    def __init__(self, work, ports: tuple[int, int, int] | None = None, **env):
-        """ports: (http, grpc, metrics), to start a server again where one stopped; free ones by default."""
+    def __init__(self, work, ports: tuple[int, int, int] | None = None, log_verbose: int | None = None, **env):
+        """ports: (http, grpc, metrics), to start a server again where one stopped; free ones by default.
+        log_verbose: tritonserver's verbose log level (TRITON_LOG_VERBOSE by default, else 0)."""
+        import os
         import subprocess
 
         from kestrel_backend.triton.local_server import server_command
 
         http, grpc, metrics = self.ports = ports or (_free_port(), _free_port(), _free_port())
-        cmd, full_env = server_command(http, grpc, metrics, work=work)
+        if log_verbose is None:
+            log_verbose = int(os.environ.get("TRITON_LOG_VERBOSE", "0"))
+        cmd, full_env = server_command(http, grpc, metrics, work=work, log_verbose=log_verbose)
         full_env.update({"KESTREL_DEVICE": "cpu", **env})
         self.log = work / "server.log"
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)

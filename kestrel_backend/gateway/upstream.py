@@ -175,6 +175,13 @@ class Upstream:
             try:
                 responses = replica.client.stream_infer(_one_request(self.model, inputs), stream_timeout=timeout)
                 async for result, error in responses:
+                    if error is not None or _final(result):
+                        # the stream's end before anything else (the server ends it right after its final
+                        # response, and an error is one): a cancel racing that end leaves tritonserver 2.51 waiting
+                        # for a callback that never comes, the model stays loaded, and a stop waits out the exit
+                        # timeout. (A caller that leaves once it has the answer closes this generator at once.)
+                        async for _ in responses:
+                            pass
                     if error is not None:
                         message = error.message()
                         if not answered and refused_before_admission(message):
@@ -212,6 +219,11 @@ class Upstream:
 
 async def _one_request(model: str, inputs):
     yield {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+
+def _final(result) -> bool:
+    flag = result.get_response().parameters.get("triton_final_response")
+    return flag is not None and flag.bool_param
 
 
 def _never_connected(error: grpc.aio.AioRpcError) -> bool:

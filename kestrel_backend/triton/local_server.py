@@ -52,7 +52,7 @@ def backend_dir(root: Path) -> Path:
 
 
 def server_command(http: int, grpc: int, metrics: int, repository: Path = REPOSITORY,
-                   work: Path = PROJECT / ".runtime") -> tuple[list[str], dict]:
+                   work: Path = PROJECT / ".runtime", log_verbose: int = 0) -> tuple[list[str], dict]:
     src = pytriton_root()
     libs = [str(src.parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or ""]
     env = dict(os.environ)
@@ -60,7 +60,7 @@ def server_command(http: int, grpc: int, metrics: int, repository: Path = REPOSI
     env["PATH"] = ":".join([str(Path(sys.executable).parent), env.get("PATH", "")]).rstrip(":")
     cmd = [str(src / "bin" / "tritonserver"), f"--model-repository={repository}",
            f"--backend-directory={backend_dir(work / 'backends')}", f"--http-port={http}", f"--grpc-port={grpc}",
-           f"--metrics-port={metrics}", "--allow-metrics=true", "--log-verbose=0",
+           f"--metrics-port={metrics}", "--allow-metrics=true", f"--log-verbose={log_verbose}",
            # servers of one machine share /dev/shm: each its own Python-backend regions
            f"--backend-config=python,shm-region-prefix-name=kestrel_{grpc}_"]
     return cmd, env
@@ -72,8 +72,10 @@ def main() -> None:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--model-repository", type=Path, default=REPOSITORY)
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver's verbose log level")
     args = p.parse_args()
-    cmd, env = server_command(args.http_port, args.grpc_port, args.metrics_port, args.model_repository)
+    cmd, env = server_command(args.http_port, args.grpc_port, args.metrics_port, args.model_repository,
+                              log_verbose=args.log_verbose)
     os.execve(cmd[0], cmd, env)
 
 
