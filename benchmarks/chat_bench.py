@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kestrel_method import burst_counters, chart_png  # noqa: E402
-from kestrel_backend.config import RuntimeConfig  # noqa: E402
+from kestrel_backend.engine_config import RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.skills.chat import parse_messages  # noqa: E402

@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kestrel_backend.config import RuntimeConfig  # noqa: E402
+from kestrel_backend.engine_config import RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model import vision  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
@@ -41,7 +41,7 @@ from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder  # noqa: E402
 from kestrel_backend.runtime.cuda_graphs import capture  # noqa: E402
 from kestrel_backend.runtime.vision_graphs import CropEncoderGraphs  # noqa: E402
-from kestrel_backend.runtime.scheduler import make_attention, make_prefill_graphs  # noqa: E402
+from kestrel_backend.runtime.gpu_parts import make_attention, make_prefill_graphs  # noqa: E402
 
 
 def timed(fn, warmup=3, iters=20, idle_s: float = 0.0) -> float:

@@ -99,7 +99,7 @@ async def run_kestrel(args, pairs, chats, settings, tuned) -> dict[str, list[lis
 
 
 async def run_ours(args, pairs, chats, settings, tuned, fp8_experts: str = "fp8") -> dict[str, list[list[int]]]:
-    from kestrel_backend.config import RuntimeConfig
+    from kestrel_backend.engine_config import RuntimeConfig
     from kestrel_backend.engine import InferenceEngine
     from kestrel_backend.skills.chat import parse_messages
 

@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel_backend.config import FP8_EXPERT_MODES, RuntimeConfig  # noqa: E402
+from kestrel_backend.engine_config import FP8_EXPERT_MODES, RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model import vision  # noqa: E402

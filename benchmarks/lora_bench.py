@@ -26,16 +26,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_bench import timed  # noqa: E402
-from kestrel_backend.config import RuntimeConfig  # noqa: E402
+from kestrel_backend.engine_config import RuntimeConfig  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.lora import LoraRows, target_shapes  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
-from kestrel_backend.runtime.adapters import AdapterRegistry  # noqa: E402
+from kestrel_backend.runtime.lora_registry import AdapterRegistry  # noqa: E402
 from kestrel_backend.runtime.attention import SeqSlice  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
-from kestrel_backend.runtime.scheduler import make_attention  # noqa: E402
+from kestrel_backend.runtime.gpu_parts import make_attention  # noqa: E402
 
 BATCH, ADAPTERS = 64, 8
 PATHS = {"qkv": "mixer.Wqkv", "proj": "mixer.out_proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}

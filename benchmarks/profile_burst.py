@@ -36,14 +36,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kestrel_method import OUTPUT_TOKENS, crop_count, workload  # noqa: E402
-from kestrel_backend.config import FP8_EXPERT_MODES, RuntimeConfig  # noqa: E402
+from kestrel_backend.engine_config import FP8_EXPERT_MODES, RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.tokenizer import load_tokenizer  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
 from kestrel_backend.model import moondream as moondream_module  # noqa: E402
-from kestrel_backend.runtime import prefill_attention as pa, prefill_graphs  # noqa: E402
+from kestrel_backend.runtime import prefill_plan as pa, prefill_graphs  # noqa: E402
 from kestrel_backend.runtime import scheduler as scheduler_module  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder, HostTokens  # noqa: E402

@@ -23,7 +23,7 @@ from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
 from kestrel_backend.runtime.attention import TorchPagedAttention  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
-from kestrel_backend.runtime.scheduler import make_attention  # noqa: E402
+from kestrel_backend.runtime.gpu_parts import make_attention  # noqa: E402
 
 
 def main(n: int = 16, family: str = "moondream2", experts: str = "bf16", prompt: int = 12) -> None:

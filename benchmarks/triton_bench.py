@@ -15,7 +15,7 @@
         (a server with each KESTREL_VISION_FP8 setting, one after the other)
 
 Writes a FULL-SIZE Moondream 2 checkpoint of random bf16 weights (with the fixture's tokenizer) to a
-temporary folder, starts tritonserver on model_repository/ with it (kestrel_backend.triton.local_server),
+temporary folder, starts tritonserver on model_repository/ with it (kestrel_backend.server.local_server),
 and sends streaming queries (a 640x480 JPEG, greedy, max_tokens output tokens), each on its own gRPC
 stream (ModelStreamInfer, what async_stream_infer uses) over one channel, from one asyncio client
 (tritonclient.grpc.aio; a client of threads measured itself at 64 streams), or with --client-processes N
@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import gather_limited, query_images, throughput_row  # noqa: E402
 from client import build_inputs, response_body  # noqa: E402
 from client.metrics import metric_sum, scrape  # noqa: E402
-from kestrel_backend.config import TINY_CHECKPOINT  # noqa: E402
-from kestrel_backend.triton.local_server import server_command  # noqa: E402
+from kestrel_backend.engine_config import TINY_CHECKPOINT  # noqa: E402
+from kestrel_backend.server.local_server import server_command  # noqa: E402
 
 
 QUESTION = "Describe this image."

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install.sh
 . .venv/bin/activate
-exec python -m kestrel_backend.triton.local_server "$@"
+exec python -m kestrel_backend.server.local_server "$@"

@@ -15,17 +15,18 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .config import RuntimeConfig
+from .engine_config import RuntimeConfig
 from .errors import EngineDraining, EngineError, EngineOverloaded, InvalidRequest, RequestCancelled
 from .images import ImageLimits, decode_image
 from .model.hub import MODELS
 from .model.moondream import Moondream
 from .model.seg_refiner import RefinerHead
 from .model.tokenizer import IncrementalDetokenizer
-from .runtime.adapters import AdapterRegistry
+from .runtime.lora_registry import AdapterRegistry
 from .runtime.image_cache import ImageCache, image_key
 from .runtime.kv_cache import PagedKVCache
-from .runtime.scheduler import Scheduler, make_crop_encoder, make_decoder, make_prefill_graphs
+from .runtime.gpu_parts import make_crop_encoder, make_decoder, make_prefill_graphs
+from .runtime.scheduler import Scheduler
 from .runtime.segment_refiner import SegmentRefiner
 from .runtime.sequence import Delivery, EngineResult, LaterImage, Sequence, StreamChunk
 from .skills.chat import ChatMessage, chat_prompt, first_image, supports_reasoning
@@ -352,7 +353,7 @@ class InferenceEngine:
                       later_images=()):
         arrived = REQUEST_ARRIVAL.get() or time.perf_counter()  # TTFT counts from here (image decode, admission waits)
         delivery = Delivery(asyncio.get_running_loop(), stream)
-        admit = self._admit(skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived, object_text,
+        admit = self._accept(skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived, object_text,
                             later_images)
         admitted = False
         try:
@@ -370,7 +371,7 @@ class InferenceEngine:
                 await delivery.ended()
             raise
 
-    async def _admit(self, skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived: float,
+    async def _accept(self, skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived: float,
                      object_text: str = "", later_images=()) -> None:
         """Runs on the engine loop: bounded queue, image decode (off-thread), adapter, context check. later_images:
         a conversation's other images, (bytes, index of their rows in ids)."""

@@ -75,7 +75,7 @@ class TritonProcess:
         import os
         import subprocess
 
-        from kestrel_backend.triton.local_server import server_command
+        from kestrel_backend.server.local_server import server_command
 
         http, grpc, metrics = self.ports = ports or (_free_port(), _free_port(), _free_port())
         if log_verbose is None:

@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from kestrel_backend.config import RuntimeConfig
+from kestrel_backend.engine_config import RuntimeConfig
 from kestrel_backend.engine import InferenceEngine, InvalidRequest
 from kestrel_backend.images import decode_image
 from kestrel_backend.skills.chat import ChatMessage, chat_prompt, first_image, parse_messages
@@ -13,7 +13,7 @@ from kestrel_backend.skills.generation import Prompt, ReasoningThenAnswer, TextG
 from kestrel_backend.skills.prompts import query_prompt, query_tail
 from kestrel_backend.skills.settings import Settings
 from kestrel_backend.skills.single import run_single
-from kestrel_backend.triton.protocol import parse_request
+from kestrel_backend.server.protocol import parse_request
 
 
 @pytest.fixture(scope="module")

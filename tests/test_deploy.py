@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "ci"))
 import chart_check  # noqa: E402
 
-from kestrel_backend.config import RuntimeConfig  # noqa: E402
+from kestrel_backend.engine_config import RuntimeConfig  # noqa: E402
 
 KNOWN_ENV = set(RuntimeConfig.ENV.values()) | {"HF_HOME", "HF_TOKEN"}
 
@@ -212,7 +211,7 @@ def test_tritonserver_takes_the_multi_gpu_config_by_name(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the KIND_GPU config would load")
     from conftest import _free_port
-    from kestrel_backend.triton.local_server import server_command
+    from kestrel_backend.server.local_server import server_command
 
     cmd, env = server_command(_free_port(), _free_port(), _free_port(), work=tmp_path)
     run = subprocess.run(cmd + ["--model-config-name=multi_gpu"], env=env, capture_output=True, text=True, timeout=120)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kestrel_backend import parity
-from kestrel_backend.config import PREFIX_AHEAD_MOE, ConfigError, RuntimeConfig
+from kestrel_backend.engine_config import PREFIX_AHEAD_MOE, ConfigError, RuntimeConfig
 from kestrel_backend.engine import (EngineDraining, EngineError, EngineOverloaded, InferenceEngine, InvalidRequest,
                                     RequestCancelled)
 from kestrel_backend.runtime.image_cache import image_key
@@ -60,7 +60,7 @@ def test_batched_equals_alone_equals_golden(engine, tiny_dir, golden):
 
 
 def test_ttft_counts_from_the_arrival_a_front_end_gives(engine):
-    """The Triton adapter sets REQUEST_ARRIVAL when execute() takes a request: the engine's TTFT counts from there
+    """The Triton bridge sets REQUEST_ARRIVAL when execute() takes a request: the engine's TTFT counts from there
     (the wait for the engine loop included); without it, from the engine call."""
     from kestrel_backend.engine import REQUEST_ARRIVAL
 
@@ -91,7 +91,7 @@ def test_stream_chunks_join_to_final_text(engine, tiny_dir):
 
 
 def test_stream_forwarded_to_a_sink_on_the_engine_loop(engine, tiny_dir):
-    """As the Triton adapter takes a stream: on the engine loop, each chunk handed to a sink inside the
+    """As the Triton bridge takes a stream: on the engine loop, each chunk handed to a sink inside the
     step (chunks queued before forward_to first). A sink that raises drops its own request only."""
     image = (tiny_dir / "images" / "medium.png").read_bytes()
     settings = {"temperature": 0, "max_tokens": 30}
@@ -782,7 +782,7 @@ def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back
     when any input differs. While it is in flight, waiting requests join the step after (mixed), not this one, unless
     every running sequence takes its last token in it (no step after it to join), and none is launched ahead while a
     waiting request has a free slot (it would wait on)."""
-    from kestrel_backend.runtime.scheduler import RowsOf
+    from kestrel_backend.runtime.step_runner import RowsOf
     from kestrel_backend.skills.generation import TextGeneration
     from kestrel_backend.skills.settings import Settings
 

@@ -82,7 +82,7 @@ def test_text_widths_the_kernels_cannot_run_are_refused_at_load_with_the_widths_
     import dataclasses
 
     from kestrel_backend.model.weights import CheckpointError
-    from kestrel_backend.runtime.scheduler import check_kernel_shapes
+    from kestrel_backend.runtime.gpu_parts import check_kernel_shapes
 
     assert dk.shape_problems(2048, 8192, 64, 32, 51200) == [] and dk.shape_problems(192, 384, 64, 32, 51200) == []
     assert dk._power_of_two_chunk(192, 1024) == 64 and dk._power_of_two_chunk(2048, 256) == 256
@@ -250,10 +250,9 @@ def test_prefill_attention_matches_the_torch_path(block_m, block_n, context_bloc
     the cache already (an image prefix shared in part or in whole, a text continuation); the same outputs
     and cache rows."""
     from kestrel_backend.kernels import prefill_attention as kernel
-    from kestrel_backend.runtime import prefill_attention as pa
     from kestrel_backend.runtime.attention import SeqSlice, TorchPagedAttention
     from kestrel_backend.runtime.kv_cache import PagedKVCache
-    from kestrel_backend.runtime.prefill_attention import PrefillAttention
+    from kestrel_backend.runtime.prefill_plan import PrefillAttention
 
     monkeypatch.setattr(kernel, "BLOCK_M", block_m)
     monkeypatch.setattr(kernel, "BLOCK_N", block_n)
@@ -384,7 +383,7 @@ def test_engine_prefill_steps_of_several_sequences_through_the_prefill_graphs(ti
     import numpy as np
     import pyvips
 
-    from kestrel_backend.config import RuntimeConfig
+    from kestrel_backend.engine_config import RuntimeConfig
     from kestrel_backend.engine import InferenceEngine
     from kestrel_backend.runtime.prefill_graphs import PrefillGraphs
 
@@ -439,7 +438,7 @@ def test_mixed_steps_through_the_prefill_graphs_answer_as_separate_steps(tiny_di
     import numpy as np
     import pyvips
 
-    from kestrel_backend.config import RuntimeConfig
+    from kestrel_backend.engine_config import RuntimeConfig
     from kestrel_backend.engine import InferenceEngine
     from kestrel_backend.runtime.prefill_graphs import PrefillGraphs
 
@@ -485,7 +484,7 @@ def test_prefixes_ahead_through_the_prefill_graphs_answer_as_without(tiny_dir):
     import numpy as np
     import pyvips
 
-    from kestrel_backend.config import RuntimeConfig
+    from kestrel_backend.engine_config import RuntimeConfig
     from kestrel_backend.engine import InferenceEngine
     from kestrel_backend.runtime.prefill_graphs import PrefillGraphs
 

@@ -1,5 +1,5 @@
 """The package's layers, from its imports (read with ast, function-level imports included): no import circle, and no
-module importing a layer above its own. From the top: the server glue (gateway, Triton adapter, parity), the engine,
+module importing a layer above its own. From the top: the server glue (gateway, the Triton bridge, parity), the engine,
 its configuration and image decoding, the runtime, the skills, the model, the kernels, and the leaves every layer may
 use (errors, data URLs)."""
 
@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kestrel_backend"
-LAYERS = [("gateway", "triton", "parity"), ("engine",), ("config", "images"), ("runtime",), ("skills",), ("model",),
+LAYERS = [("gateway", "server", "parity"), ("engine",), ("engine_config", "images"), ("runtime",), ("skills",), ("model",),
           ("kernels",), ("errors", "data_urls")]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 

@@ -1,10 +1,10 @@
 """The outbox's merging of queued chunks and the guard around a request's response sender
-(kestrel_backend/triton/outbox.py); sending itself is covered through the real tritonserver in
+(kestrel_backend/server/outbox.py); sending itself is covered through the real tritonserver in
 test_triton_server.py and test_reliability.py."""
 
 import threading
 
-from kestrel_backend.triton.outbox import GuardedSender, Outgoing, merged
+from kestrel_backend.server.outbox import GuardedSender, Outgoing, merged
 
 FINAL = 1
 

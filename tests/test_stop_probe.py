@@ -3,7 +3,7 @@
 import http.server
 import threading
 
-from kestrel_backend.triton.stop_probe import StopProbe, readiness_url
+from kestrel_backend.server.stop_probe import StopProbe, readiness_url
 
 SERVER = "/opt/tritonserver/bin/tritonserver"
 

@@ -13,9 +13,9 @@ import pyvips
 import tritonclient.grpc as grpcclient
 from test_images import png_header_only
 
-from client import AsyncMoondreamClient, MoondreamClient, MoondreamError, build_inputs
+from client import AsyncMoondreamClient, MoondreamClient, MoondreamError
 from client.metrics import metric_sum, scrape
-from kestrel_backend.config import RuntimeConfig
+from kestrel_backend.engine_config import RuntimeConfig
 from kestrel_backend.engine import InferenceEngine
 
 GREEDY = {"temperature": 0, "max_tokens": 12}

@@ -24,7 +24,7 @@ from ..model.layers import to_device
 from ..model.lora import SlotRows
 from ..model.moondream import Moondream
 from ..kernels import prefill_attention as kernel
-from . import prefill_attention as pa
+from . import prefill_plan as pa
 from .attention import SeqSlice
 from .cuda_graphs import CapturedGraphs
 from .kv_cache import PagedKVCache

@@ -6,7 +6,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from kestrel_backend.triton.adapter import TritonAdapter
+from kestrel_backend.server.bridge import TritonBridge
 
 
 class TritonPythonModel:
@@ -15,7 +15,7 @@ class TritonPythonModel:
         # (configs/multi_gpu.pbtxt: one per GPU) runs its own engine on its own GPU.
         instance = (args["model_instance_kind"], int(args["model_instance_device_id"]))
         self.gpu_instance = instance[0] == "GPU"
-        self.adapter = TritonAdapter(json.loads(args["model_config"]), pb_utils, instance)
+        self.adapter = TritonBridge(json.loads(args["model_config"]), pb_utils, instance)
 
     def execute(self, requests):
         # Decoupled: responses go out through each request's response sender, from the engine loop.

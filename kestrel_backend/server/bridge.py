@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 
-from ..config import RuntimeConfig
+from ..engine_config import RuntimeConfig
 from ..engine import REQUEST_ARRIVAL, InferenceEngine
 from ..errors import EngineDraining, EngineOverloaded, InvalidRequest, RequestCancelled
 from .metrics import TritonMetrics
@@ -38,7 +38,7 @@ log = logging.getLogger("kestrel.triton")
 WATCH_INTERVAL_S = 0.05
 
 
-class TritonAdapter:
+class TritonBridge:
     def __init__(self, model_config: dict, pb, instance: tuple[str, int] | None = None):
         """instance: (kind, device id) of this model instance, as Triton gives them to initialize()."""
         faulthandler.enable(all_threads=True)  # a crash of the stub then leaves every thread's stack in the log

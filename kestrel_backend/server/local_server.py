@@ -1,6 +1,6 @@
 """Start a real tritonserver from the nvidia-pytriton wheel (no Docker) on our model repository.
 
-    python -m kestrel_backend.triton.local_server [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
+    python -m kestrel_backend.server.local_server [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
 
 The wheel ships the server, the Python backend and backend stubs per Python version; this builds
 a backend folder with the stub of the running Python and starts the server with the library path the
@@ -67,7 +67,7 @@ def server_command(http: int, grpc: int, metrics: int, repository: Path = REPOSI
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m kestrel_backend.triton.local_server")
+    p = argparse.ArgumentParser(prog="python -m kestrel_backend.server.local_server")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)

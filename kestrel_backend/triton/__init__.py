@@ -1,1 +1,0 @@
-"""Triton glue: wire protocol, the adapter TritonPythonModel delegates to, metrics, a local launcher."""
