@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kestrel_backend.engine_config import FP8_EXPERT_MODES, RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
-from kestrel_backend.model import vision  # noqa: E402
+from benchmarks.common import floor_s  # noqa: E402
 
 # Kestrel's published H100 figures (req/s, P50 ms), its PERFORMANCE.md: Moondream 2, and Moondream 3 (FP8 experts).
 KESTREL_PUBLISHED = {
@@ -96,34 +96,6 @@ def workload(n_images: int, seed: int) -> list[tuple[bytes, str]]:
         image = chart_png(rng)
         pairs += [(image, q) for q in rng.choice(QUESTIONS, 2, replace=False)]
     return pairs
-
-
-def crop_count(image: bytes, config: MoondreamConfig) -> int:
-    """The crops the engine encodes for an image: its global view and its tiles."""
-    from kestrel_backend.images import decode_image
-
-    return len(vision.crop_image(decode_image(image), config.vision)[0])
-
-
-def floor_s(config: MoondreamConfig, pairs, question_tokens: list[int], out_tokens: int, batch: int,
-            ceilings: dict, fp8_experts: bool = False) -> float:
-    """The burst's GPU floor (see the module's docstring; fp8_experts: Moondream 3's experts read in FP8)."""
-    from benchmarks.gpu_bench import prefill_flops, text_weight_bytes, vision_crop_flops
-
-    v, t = config.vision, config.text
-    flops, seen = 0, set()
-    for (image, _), q in zip(pairs, question_tokens):
-        prompt = q + 5  # (the query template's tokens)
-        if image in seen:
-            flops += prefill_flops(config, t.prefix_attn, prompt)
-        else:
-            seen.add(image)
-            flops += crop_count(image, config) * vision_crop_flops(v) + prefill_flops(config, 0, t.prefix_attn + prompt)
-    steps = -(-len(pairs) // batch) * out_tokens
-    kv_per_token = t.n_layers * 2 * t.n_kv_heads * t.head_dim * 2
-    kv_bytes = len(pairs) * sum(t.prefix_attn + 20 + i for i in range(out_tokens)) * kv_per_token
-    decode_bytes = steps * text_weight_bytes(config, batch, fp8_experts) + kv_bytes
-    return flops / (ceilings["bf16_matmul_TFLOPs"] * 1e12) + decode_bytes / (ceilings["copy_bandwidth_GBps"] * 1e9)
 
 
 def summarize(mode: str, batch: int, pairs, bodies: list[dict], wall: float) -> dict:
@@ -298,7 +270,7 @@ def main() -> int:
     fp8_experts = any(b.moe is not None and b.moe.fc1_scale is not None for b in model.weights.text.blocks)
     ceilings = None
     if cuda:
-        from benchmarks.gpu_bench import ceilings as measure_ceilings
+        from benchmarks.common import ceilings as measure_ceilings
 
         ceilings = measure_ceilings()
     run_seed = time.time_ns() % (1 << 32)

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_bench import timed  # noqa: E402
+from benchmarks.common import timed  # noqa: E402
 from kestrel_backend.engine_config import RuntimeConfig  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.lora import LoraRows, target_shapes  # noqa: E402

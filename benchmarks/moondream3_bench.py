@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_bench import (ROOT, ceilings, decode_steps, engine_golden_check, table,  # noqa: E402
+from benchmarks.common import (ROOT, ceilings, decode_steps, engine_golden_check, table,  # noqa: E402
                                   text_weight_bytes)
 from benchmarks.kestrel_checkpoint import fp8_experts, to_kestrel_layout  # noqa: E402
 from kestrel_backend.engine_config import RuntimeConfig  # noqa: E402
@@ -68,7 +68,7 @@ def refiner_shapes(enc: int, d: int, masks: int = 4, blocks: int = 2) -> dict:
 
 def refine_latency(model: Moondream) -> dict:
     """Segment's refinement on the GPU at full size: the vision encoder on one 378 px crop with its early features,
-    then five rounds of the head (the CPU stages: benchmarks/segment_cpu_stages.py)."""
+    then five rounds of the head (the CPU stages: benchmarks/experiments/segment_cpu_stages.py)."""
     import time
 
     import numpy as np

@@ -49,7 +49,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import gather_limited, query_images, throughput_row  # noqa: E402
+from benchmarks.common import gather_limited, query_images, throughput_row  # noqa: E402
 from client import build_inputs, response_body  # noqa: E402
 from client.metrics import metric_sum, scrape  # noqa: E402
 from kestrel_backend.engine_config import TINY_CHECKPOINT  # noqa: E402
@@ -62,8 +62,8 @@ QUESTION = "Describe this image."
 def fresh_floor(family: str, images: list[bytes], concurrency: int, max_tokens: int, ceilings: dict) -> float:
     """The GPU floor of a level of fresh images, req/s: every image's crops through the vision encoder and its
     prefix and question prefilled (a second question on an image only its own tokens), over the bf16 matmul rate,
-    plus the decode steps' bytes over the copy rate (kestrel_method.floor_s, the Kestrel-method bursts' floor)."""
-    from benchmarks.kestrel_method import floor_s
+    plus the decode steps' bytes over the copy rate (common.floor_s, the Kestrel-method bursts' floor)."""
+    from benchmarks.common import floor_s
     from kestrel_backend.model.config import MoondreamConfig
     from kestrel_backend.model.tokenizer import load_tokenizer
 
@@ -377,7 +377,7 @@ def main() -> int:
         import torch
 
         if torch.cuda.is_available():
-            from benchmarks.gpu_bench import ceilings
+            from benchmarks.common import ceilings
 
             floors = ceilings()
 

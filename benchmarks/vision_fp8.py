@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.gpu_bench import ceilings, vision_bench  # noqa: E402
+from benchmarks.common import ceilings, vision_bench  # noqa: E402
 from benchmarks.kestrel_method import chart_png  # noqa: E402
 from kestrel_backend.engine_config import RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402

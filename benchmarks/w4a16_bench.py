@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_bench import ceilings, decode_steps, engine_golden_check, text_weight_bytes  # noqa: E402
+from benchmarks.common import ceilings, decode_steps, engine_golden_check, text_weight_bytes  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.kernels.packed import PackedWeight  # noqa: E402

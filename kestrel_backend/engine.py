@@ -22,16 +22,18 @@ from .model.hub import MODELS
 from .model.moondream import Moondream
 from .model.seg_refiner import RefinerHead
 from .model.tokenizer import IncrementalDetokenizer
-from .runtime.lora_registry import AdapterRegistry
+from .runtime.gpu_parts import make_crop_encoder, make_decoder, make_prefill_graphs
 from .runtime.image_cache import ImageCache, image_key
 from .runtime.kv_cache import PagedKVCache
-from .runtime.gpu_parts import make_crop_encoder, make_decoder, make_prefill_graphs
+from .runtime.lora_registry import AdapterRegistry
 from .runtime.scheduler import Scheduler
 from .runtime.segment_refiner import SegmentRefiner
-from .runtime.sequence import Delivery, EngineResult, LaterImage, Sequence, StreamChunk
+from .runtime.sequence import Delivery, EngineResult, EngineStream, LaterImage, Sequence, StreamChunk
+from .skills.catalog import SKILLS
 from .skills.chat import ChatMessage, chat_prompt, first_image, supports_reasoning
 from .skills.generation import Generation, ReasoningThenAnswer, RegionGeneration, SegmentGeneration, TextGeneration
-from .skills.prompts import caption_prompt, query_prompt, region_prompt, spatial_refs_start
+from .skills.prompts import (TextLimit, caption_prompt, check_spatial_refs, query_prompt, region_prompt,
+                             spatial_refs_start)
 from .skills.settings import Settings
 
 log = logging.getLogger("kestrel.engine")
@@ -44,37 +46,6 @@ EAGER_WARM_ROWS = 16384  # eager prefill steps are warmed at start-up up to the 
 
 __all__ = ["InferenceEngine", "EngineResult", "EngineStream", "StreamChunk", "EngineOverloaded", "EngineDraining",
            "EngineError", "RequestCancelled", "InvalidRequest"]
-
-
-class EngineStream:
-    """Async iterator of StreamChunk (str); joined they equal the final text. `await result()`. Or
-    forward_to(sink), on the caller's loop: each chunk is handed to sink(chunk) as it comes."""
-
-    def __init__(self, delivery: Delivery):
-        self._delivery = delivery
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> StreamChunk:
-        item = await self._delivery.chunks.get()
-        if item is None:
-            self._delivery.chunks.put_nowait(None)  # stay exhausted
-            raise StopAsyncIteration
-        return item
-
-    def forward_to(self, sink) -> None:
-        self._delivery.forward_to(sink)
-
-    async def result(self) -> EngineResult:
-        return await self._delivery.result
-
-    def cancel(self) -> None:
-        self._delivery.cancel()
-
-    async def ended(self) -> None:
-        """After cancel(): until the engine has let go of the request (its pages freed)."""
-        await self._delivery.ended()
 
 
 class InferenceEngine:
@@ -223,7 +194,7 @@ class InferenceEngine:
         if not isinstance(question, str) or not question.strip():
             raise InvalidRequest("QUESTION is required and must be non-empty text")
         s = self._settings(settings)
-        refs = _check_spatial_refs(spatial_refs, image)
+        refs = check_spatial_refs(spatial_refs, image)
         ids = self._encode(question, "QUESTION")
         return await self._submit("query", image, ids, s, stream, reasoning=reasoning, spatial_refs=refs)
 
@@ -239,9 +210,7 @@ class InferenceEngine:
 
     async def segment(self, image: bytes, object: str, settings: dict | None = None) -> EngineResult:
         """{"segments": [{"svg_path", "bbox", ...}]}: the object's outline (refined when the refiner is loaded)."""
-        if "segment" not in self.model.config.tokenizer.templates:
-            raise InvalidRequest(f"SKILL segment is not supported by {self.model.name}, the loaded model: "
-                                 "segment needs Moondream 3")
+        self._check_served("segment")
         if not isinstance(object, str) or not object.strip():
             raise InvalidRequest("OBJECT is required and must be non-empty text")
         ids = region_prompt(self.model.config.tokenizer, "segment", self._encode(object.strip(), "OBJECT"))
@@ -265,11 +234,12 @@ class InferenceEngine:
                             stream: bool = False, reasoning: bool = False, spatial_refs=None):
         """Token-level entry (parity and tests): ids are the question (query), the object (point/detect),
         or the whole prompt (caption)."""
-        s = self._settings(settings, greedy=skill == "segment")
-        object_text = self.model.tokenizer.decode(ids) if skill == "segment" else ""
-        if skill in ("point", "detect", "segment"):
+        generation = SKILLS[skill].generation
+        s = self._settings(settings, greedy=generation == "segment")
+        object_text = self.model.tokenizer.decode(ids) if generation == "segment" else ""
+        if generation in ("region", "segment"):
             ids = region_prompt(self.model.config.tokenizer, skill, ids)
-        refs = _check_spatial_refs(spatial_refs, image)
+        refs = check_spatial_refs(spatial_refs, image)
         return await self._submit(skill, image, ids, s, stream, reasoning=reasoning, spatial_refs=refs,
                                   object_text=object_text)
 
@@ -310,6 +280,14 @@ class InferenceEngine:
             raise InvalidRequest(f"{field} holds a lone UTF-16 surrogate, which is not text") from None
         return self.model.tokenizer.encode(text).ids
 
+    def _check_served(self, skill: str) -> None:
+        """A skill that needs a tokenizer template the loaded model lacks (segment: Moondream 3's) is refused."""
+        template = SKILLS[skill].template
+        if template is not None and template not in self.model.config.tokenizer.templates:
+            families = "Moondream 3" if template == "segment" else f"a model with the {template!r} template"
+            raise InvalidRequest(f"SKILL {skill} is not supported by {self.model.name}, the loaded model: {skill} "
+                                 f"needs {families}")
+
     @staticmethod
     def _need_image(image) -> bytes:
         if not image:
@@ -340,11 +318,11 @@ class InferenceEngine:
         return await asyncio.shield(decoding)
 
     def _generation(self, skill: str, settings: Settings, reasoning: bool, object_text: str = "") -> Generation:
-        tok = self.model.config.tokenizer
-        if skill == "segment":
+        tok, generation = self.model.config.tokenizer, SKILLS[skill].generation
+        if generation == "segment":
             return SegmentGeneration(tok, settings, self.model, object_text)
-        if skill in ("point", "detect"):
-            return RegionGeneration(tok, settings, self.model, with_size=skill == "detect")
+        if generation == "region":
+            return RegionGeneration(tok, settings, self.model, with_size=SKILLS[skill].result == "objects")
         if reasoning:
             return ReasoningThenAnswer(tok, settings, self.model)
         return TextGeneration(tok, settings)
@@ -409,11 +387,11 @@ class InferenceEngine:
             prefix = self.model.config.text.prefix_attn if key is not None else 0
             prompt_len = prefix + len(ids)
             if prompt_len >= self.max_context:
-                if skill == "chat":
+                field = SKILLS[skill].wire_input() if SKILLS[skill].text_required else "prompt"
+                if field == "MESSAGES":
                     raise InvalidRequest(f"MESSAGES: the conversation needs {prompt_len} positions with its images, "
                                          f"more than the model's context of {self.max_context}; send fewer or "
                                          "shorter turns")
-                field = {"query": "QUESTION", "caption": "prompt"}.get(skill, "OBJECT")
                 raise InvalidRequest(f"{field} is too long: {prompt_len} tokens with the image, context is {self.max_context}")
             capacity = min(self.max_context, prompt_len + _new_positions(skill, settings, reasoning))
             if self.kv.pages_for(capacity) > self.kv.num_pages:
@@ -431,25 +409,6 @@ class InferenceEngine:
             raise
         finally:
             self._admitting -= 1
-
-
-class TextLimit:
-    """The most characters a request's text may have: the context's tokens times the longest token's length in
-    characters (a text longer than that cannot fit; checked before the tokenizer runs)."""
-
-    def __init__(self, max_chars: int, max_context: int):
-        self.max_chars, self.max_context = max_chars, max_context
-        self.max_bytes = 4 * max_chars  # (a character is at most 4 bytes of UTF-8)
-
-    @classmethod
-    def for_tokenizer(cls, tokenizer, max_context: int) -> "TextLimit":
-        longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
-        return cls(max_context * max(longest, 1), max_context)
-
-    def check(self, chars: int, field: str) -> None:
-        if chars > self.max_chars:
-            raise InvalidRequest(f"{field} is too long: {chars} characters, more than the model's context of "
-                                 f"{self.max_context} tokens can hold ({self.max_chars})")
 
 
 def _quantize_vision(model: Moondream) -> None:
@@ -491,26 +450,7 @@ def _use_device(device) -> None:
 
 def stream_text(skill: str, stream: bool) -> bool:
     """Only streamed text needs incremental detokenization; other text is decoded once at the end."""
-    return stream and skill in ("query", "caption", "chat")
-
-
-def _check_spatial_refs(refs, image) -> list[tuple[float, ...]]:
-    """Points (x, y) or boxes (x_min, y_min, x_max, y_max), every value in [0, 1]."""
-    if not refs:
-        return []
-    if not image:
-        raise InvalidRequest("SPATIAL_REFS need an IMAGE: they point into it")
-    out = []
-    for ref in refs:
-        ref = tuple(float(v) for v in ref)
-        if len(ref) not in (2, 4):
-            raise InvalidRequest(f"SPATIAL_REFS: each must be (x, y) or (x_min, y_min, x_max, y_max), got {ref}")
-        if not all(0.0 <= v <= 1.0 for v in ref):  # (NaN fails this too)
-            raise InvalidRequest(f"SPATIAL_REFS values must be finite and within [0, 1], got {ref}")
-        if len(ref) == 4 and (ref[2] < ref[0] or ref[3] < ref[1]):
-            raise InvalidRequest(f"SPATIAL_REFS boxes must have x_min <= x_max and y_min <= y_max, got {ref}")
-        out.append(ref)
-    return out
+    return stream and SKILLS[skill].streams
 
 
 def _chaos(scheduler: Scheduler, after: int):

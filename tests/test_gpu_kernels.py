@@ -696,7 +696,7 @@ def test_expert_kernels_add_each_rows_adapter(tiny_dir, tokens, path, monkeypatc
     """Moondream 3's experts with adapters (moe_lora): rows of md3-tiny's adapter r8, of none and of its experts-only
     adapter in one call, on each path (one token's FP8 GEMVs, the expert tiles, the grouped GEMM's, called directly),
     against the per-expert loop with each row's deltas (text.moe_mlp, the form the golden cases check)."""
-    from benchmarks.kestrel_checkpoint import fp8_experts
+    from kestrel_backend.model.legacy_layout import fp8_experts
     from kestrel_backend.kernels import moe_kernels as mk
     from kestrel_backend.model.lora import LoraRows
     from kestrel_backend.model.moondream import Moondream
@@ -908,7 +908,7 @@ def test_expert_kernels_match_the_per_expert_loop(tokens, top_k, fp8, monkeypatc
     expert; at 1 the bf16 tiles of one token; at 5 in FP8 its few-token tiles; up to 16 tokens the router's logits
     come from its own kernel) against text.moe_mlp's loop; with FP8 experts (read as FP8, scaled after the dot)
     against the loop over the experts times their scales."""
-    from benchmarks.kestrel_checkpoint import fp8_experts
+    from kestrel_backend.model.legacy_layout import fp8_experts
     from kestrel_backend.model.text import moe_mlp
     from kestrel_backend.kernels import moe_kernels as mk
 
@@ -935,7 +935,7 @@ def test_fp8_experts_with_widened_copies_are_read_as_fp8_only_in_decode_steps(to
     """KESTREL_FP8_EXPERTS=both: a prefill reads the widened copies, a decode step the FP8 experts and their scales
     (one row's only where its GEMVs take the experts' shapes); either way the MLP equals the loop over the experts
     times their scales."""
-    from benchmarks.kestrel_checkpoint import fp8_experts
+    from kestrel_backend.model.legacy_layout import fp8_experts
     from kestrel_backend.model.text import moe_mlp
     from kestrel_backend.kernels import moe_kernels as mk
 
@@ -957,7 +957,7 @@ def test_one_tokens_fp8_experts_as_gemvs_match_the_per_expert_loop(dtype, monkey
     token's top k and their weights ranked by the router kernel's last program; the MLP and each pair's weighted row
     (summed=False, as the decode step takes them) against the loop over the experts times their scales, and each row
     against its slot's expert alone times its weight."""
-    from benchmarks.kestrel_checkpoint import fp8_experts
+    from kestrel_backend.model.legacy_layout import fp8_experts
     from kestrel_backend.model.text import moe_mlp, top_experts
     from kestrel_backend.kernels import moe_kernels as mk
 
@@ -990,7 +990,7 @@ def test_grouped_gemm_path_matches_the_per_expert_loop(tokens, top_k, fp8):
     sum of each token's rows as kernels of their own) against text.moe_mlp's loop; experts with no rows included;
     FP8 experts widened to the activations' type first. 600 tokens of 8 experts: 4,800 pairs, past the 4,096 from which
     prefill takes this path."""
-    from benchmarks.kestrel_checkpoint import fp8_experts
+    from kestrel_backend.model.legacy_layout import fp8_experts
     from kestrel_backend.model.text import moe_mlp
     from kestrel_backend.kernels import moe_kernels as mk
 

@@ -159,7 +159,7 @@ def test_kestrel_moondream3_checkpoint_with_fp8_experts_loads(tiny_dir, tmp_path
     scale per output row. Every tensor equals the current layout's, the experts their FP8 values times the scales;
     kept in FP8 (on a GPU) each expert's weights are the same; the family is told from the names; an FP8 weight
     without its scale is refused by name."""
-    from benchmarks.kestrel_checkpoint import to_fp8, to_kestrel_layout
+    from kestrel_backend.model.legacy_layout import to_fp8, to_kestrel_layout
     from kestrel_backend.model.weights import build_weights, checkpoint_family, is_expert_weight, is_moe_layer
 
     md3 = tiny_dir.parent / "md3-tiny"

@@ -133,8 +133,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         yield
         await config.upstream.close()
 
-    routes = [Route(f"/v1/{skill}", endpoint(skill, moondream), methods=["POST"])
-              for skill in ("query", "caption", "detect", "point", "segment")]
+    routes = [Route(f"/v1/{skill.name}", endpoint(skill.name, moondream), methods=["POST"])
+              for skill in moondream_api.ENDPOINTS]
     routes += [Route("/v1/chat/completions", endpoint("chat", chat), methods=["POST"]),
                Route("/v1/models", endpoint("models", models), methods=["GET"]),
                Route("/healthz", endpoint("healthz", health, authenticated=False), methods=["GET"]),

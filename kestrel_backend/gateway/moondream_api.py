@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from client import build_inputs
+from ..skills.catalog import SKILLS
 from .errors import ApiError
 from .payloads import (Limits, counting_reasoning, flag, image_field, known_fields, routing_key, settings_field,
                        text_field, with_model)
 
 COMMON_FIELDS = {"image_url", "stream", "model", "variant", "settings", "spatial_refs"}
-FIELDS = {"query": COMMON_FIELDS | {"question", "reasoning"}, "caption": COMMON_FIELDS | {"length"},
-          "detect": COMMON_FIELDS | {"object"}, "point": COMMON_FIELDS | {"object"},
-          "segment": COMMON_FIELDS | {"object"}}
+ENDPOINTS = [s for s in SKILLS.values() if s.api_endpoint]  # /v1/<name>
+FIELDS = {s.name: COMMON_FIELDS | {s.text} | ({"reasoning"} if s.reasoning else set()) for s in ENDPOINTS}
 
 
 @dataclass
@@ -31,21 +31,20 @@ class Call:
 
 
 async def parse(skill: str, body: dict, limits: Limits, served: list[str]) -> Call:
+    spec = SKILLS[skill]
     known_fields(body, FIELDS[skill])
     settings = with_model(body, settings_field(body), served)
     image = None
-    if skill != "query" or body.get("image_url") is not None:
+    if spec.image == "required" or body.get("image_url") is not None:
         if body.get("image_url") is None:
             raise ApiError(400, "image_url is required")
         image = await image_field(body["image_url"], limits)
     kw = dict(image=image, settings=settings)
-    if skill == "query":
-        kw.update(question=text_field(body, "question", limits, required=True), reasoning=flag(body, "reasoning"),
-                  settings=counting_reasoning(settings))
-    elif skill == "caption":
-        kw.update(length=text_field(body, "length", limits) or "normal")
-    else:
-        kw.update(object=text_field(body, "object", limits, required=True))
+    text = text_field(body, spec.text, limits, required=spec.text_required)
+    if text is not None:
+        kw[spec.text] = text
+    if spec.reasoning:
+        kw.update(reasoning=flag(body, "reasoning"), settings=counting_reasoning(settings))
     refs = body.get("spatial_refs")
     if refs is not None:
         if not isinstance(refs, list) or not all(isinstance(r, list) and len(r) in (2, 4) and
@@ -55,8 +54,8 @@ async def parse(skill: str, body: dict, limits: Limits, served: list[str]) -> Ca
         if len({len(r) for r in refs}) > 1:
             raise ApiError(400, "spatial_refs must be all points or all boxes, not a mix")
         kw["spatial_refs"] = refs or None
-    stream = bool(flag(body, "stream")) and skill in ("query", "caption", "segment")
-    triton_stream = stream and skill != "segment"  # (segment's events are made from its one result)
+    stream = bool(flag(body, "stream")) and spec.api_streams
+    triton_stream = stream and spec.streams  # (segment's events are made from its one result)
     return Call(skill, build_inputs(skill, stream=triton_stream, **kw), routing_key(image, settings), stream)
 
 

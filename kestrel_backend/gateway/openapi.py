@@ -3,6 +3,8 @@ serves them, every error in one JSON shape. The fuzz tests drive the real gatewa
 
 from __future__ import annotations
 
+from .moondream_api import ENDPOINTS
+
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "string"}}}}}
@@ -22,16 +24,10 @@ COMMON = {"image_url": {"type": "string", "description": "a data URL, base64, or
           "stream": {"type": "boolean"}, "model": {"type": "string"}, "variant": {"type": "string"},
           "settings": SETTINGS,
           "spatial_refs": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}}
-SKILLS = {
-    "query": ({"question": {"type": "string"}, "reasoning": {"type": "boolean"}}, ["question"],
-              {"answer": {"type": "string"}, "reasoning": {"type": "object"}}),
-    "caption": ({"length": {"type": "string", "enum": ["short", "normal", "long"]}}, ["image_url"],
-                {"caption": {"type": "string"}}),
-    "detect": ({"object": {"type": "string"}}, ["image_url", "object"], {"objects": {"type": "array"}}),
-    "point": ({"object": {"type": "string"}}, ["image_url", "object"], {"points": {"type": "array"}}),
-    "segment": ({"object": {"type": "string"}}, ["image_url", "object"],
-                {"path": {"type": "string"}, "bbox": {"type": "object", "nullable": True}}),
-}
+# each skill's result as the Moondream API answers it, by the result's key (skills/catalog.py)
+RESULTS = {"answer": {"answer": {"type": "string"}}, "caption": {"caption": {"type": "string"}},
+           "objects": {"objects": {"type": "array"}}, "points": {"points": {"type": "array"}},
+           "segments": {"path": {"type": "string"}, "bbox": {"type": "object", "nullable": True}}}
 CHAT_REQUEST = {"type": "object", "required": ["messages"], "properties": {
     "model": {"type": "string"}, "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
@@ -63,13 +59,17 @@ def _post(summary: str, request: dict, ok: dict, streams: bool) -> dict:
 
 def schema(served: list[str]) -> dict:
     paths = {}
-    for skill, (fields, required, answer) in SKILLS.items():
+    for skill in ENDPOINTS:
+        text = {"type": "string", **({"enum": list(skill.text_choices)} if skill.text_choices else {})}
+        fields, answer = {skill.text: text}, dict(RESULTS[skill.result])
+        if skill.reasoning:
+            fields["reasoning"], answer["reasoning"] = {"type": "boolean"}, {"type": "object"}
+        required = ["image_url"] * (skill.image == "required") + [skill.text] * skill.text_required
         request = {"type": "object", "required": required, "properties": {**COMMON, **fields},
                    "additionalProperties": False}
         ok = {"type": "object", "properties": {**answer, "request_id": {"type": "string"},
                                                "finish_reason": {"type": "string"}, "metrics": METRICS}}
-        paths[f"/v1/{skill}"] = _post(f"Moondream API: {skill}", request, ok, streams=skill != "detect" and
-                                      skill != "point")
+        paths[f"/v1/{skill.name}"] = _post(f"Moondream API: {skill.name}", request, ok, streams=skill.api_streams)
     paths["/v1/chat/completions"] = _post("OpenAI chat completions", CHAT_REQUEST, CHAT_RESPONSE, streams=True)
     paths["/v1/models"] = {"get": {"summary": "the served model names", "responses": _responses(
         {"type": "object", "properties": {"object": {"type": "string"}, "data": {"type": "array"}}})}}

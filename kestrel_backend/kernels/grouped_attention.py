@@ -5,7 +5,7 @@ Questions on one image share its prefix's pages (the prefix cache), so a step of
 read each image's 720 shared positions only once, not twice. The per-row kernel (decode_kernels) reads them
 once per row, and is bound by moving each row's keys into its program more than by HBM: H100, 64 rows at 776
 positions, 223 / 185 / 162 us a layer when no rows, pairs or all rows share the first 720 (here 217 / 146 / 117;
-benchmarks/decode_attention.py). Here a group's rows are one tensor-core tile of GROUP query rows: the shared
+benchmarks/experiments/decode_attention.py). Here a group's rows are one tensor-core tile of GROUP query rows: the shared
 positions are read once for the tile, each row's own positions (after the shared ones) in the same program with
 the other rows masked, and its new token, whose k/v the program also stores into the cache, straight from its
 qkv row. With few rows there are too few programs (16 rows, none sharing: 117 against 89 us).

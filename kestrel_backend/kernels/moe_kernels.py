@@ -519,7 +519,7 @@ def _router_tiles(t: int, d: int) -> dict:
 def _tiles(tokens: int, dtype: torch.dtype, scaled: bool = False) -> tuple[dict, dict]:
     """Tile sizes of the up and down kernels: few tokens (decode) want many small programs to keep the memory
     system busy reading the experts; many (prefill) want large tiles for the tensor cores (in bf16: float32's
-    would not fit the shared memory of every GPU). benchmarks/tune_moe.py compares others."""
+    would not fit the shared memory of every GPU). benchmarks/experiments/tune_moe.py compares others."""
     if tokens == 1 and dtype != torch.float32:
         return ONE_TOKEN_TILES
     if tokens <= 16 and scaled and dtype != torch.float32:

@@ -267,7 +267,7 @@ def _weight_bytes(w: PackedWeight, factored: bool) -> torch.Tensor:
 
 def w4_tiles(m: int, n: int, k: int, dtype: torch.dtype, wide: bool) -> tuple[int, int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot) for M rows over weights of n columns in all,
-    depth k, from the H100 sweep (benchmarks/tune_w4a16.py); wide: norm_linear's many columns (qkv and fc1)."""
+    depth k, from the H100 sweep (benchmarks/experiments/tune_w4a16.py); wide: norm_linear's many columns (qkv and fc1)."""
     if m <= GEMV_MAX_ROWS and GROUP_SUMS and dtype != torch.float32:  # (_w4_gemv)
         if wide and n % 32 == 0:
             return m, 32, min(k, 512 if m == 1 else 256), 2, 1, False

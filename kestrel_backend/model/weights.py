@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .config import FP8_EXPERT_MODES, MoondreamConfig
+from .legacy_layout import FP8_SCALE, is_expert_weight, is_legacy_layout, legacy_to_current, split_tau
 from ..kernels.packed import PackedWeight
 
 
@@ -227,58 +228,6 @@ def is_moe_layer(config, layer: int) -> bool:
     return config.moe is not None and layer >= config.moe.start_layer
 
 
-_LEGACY_VISUAL = "vision_encoder.encoder.model.visual."
-# Legacy prefix -> current prefix, for the tensors outside the repeated blocks.
-_LEGACY_PREFIXES = [
-    (_LEGACY_VISUAL + "patch_embed.linear.", "vision.patch_emb."),
-    (_LEGACY_VISUAL + "pos_embed", "vision.pos_emb"),
-    (_LEGACY_VISUAL + "norm.", "vision.post_ln."),
-    ("vision_encoder.projection.mlp.", "vision.proj_mlp."),
-    ("text_model.transformer.embd.wte.weight", "text.wte"),
-    ("text_model.lm_head.ln.", "text.post_ln."),
-    ("text_model.lm_head.linear.", "text.lm_head."),
-    ("region_model.coordinate_features.weight", "region.coord_features"),
-    ("region_model.size_features.weight", "region.size_features"),
-    ("region_model.coordinate_encoder.", "region.coord_encoder."),
-    ("region_model.coordinate_decoder.", "region.coord_decoder."),
-    ("region_model.size_encoder.", "region.size_encoder."),
-    ("region_model.size_decoder.", "region.size_decoder."),
-    ("region_model.coordinate_head.", "region.coord_decoder."),  # (Moondream 3: single Linears after region.ln)
-    ("region_model.size_head.", "region.size_decoder."),
-    ("region_model.ln.", "region.ln."),
-]
-_LEGACY_VISION_BLOCK = re.compile(re.escape(_LEGACY_VISUAL) + r"blocks\.(\d+)\.(.+)")
-_LEGACY_TEXT_BLOCK = re.compile(r"text_model\.transformer\.h\.(\d+)\.(.+)")
-_LEGACY_BLOCK_PARTS = {"norm1.": "ln1.", "norm2.": "ln2.", "mixer.Wqkv.": "attn.qkv.", "mixer.out_proj.": "attn.proj."}
-_LEGACY_MOONDREAM3_PARTS = {  # text blocks only
-    "gate.": "mlp.router.", "mlp.experts.weight": "mlp.fc1.weight", "mlp.output_experts.weight": "mlp.fc2.weight",
-    "moe_quant.up_scale": "mlp.fc1.weight_scale", "moe_quant.down_scale": "mlp.fc2.weight_scale",
-    "tau_alpha": "attn.tau.alpha", "tau_wqwv": "attn.tau.wqwv", "tau_wq": "attn.tau.wq", "tau_wv": "attn.tau.wv",
-}
-FP8_SCALE = "_scale"  # <weight name> + this: an FP8 weight's scale per output row
-
-
-def _legacy_to_current(name: str) -> str | None:
-    for pattern, prefix in [(_LEGACY_VISION_BLOCK, "vision"), (_LEGACY_TEXT_BLOCK, "text")]:
-        m = pattern.fullmatch(name)
-        if m:
-            index, rest = m.groups()
-            parts = _LEGACY_BLOCK_PARTS | (_LEGACY_MOONDREAM3_PARTS if prefix == "text" else {})
-            for old, new in parts.items():
-                if rest.startswith(old):
-                    rest = new + rest[len(old):]
-                    break
-            return f"{prefix}.blocks.{index}.{rest}"
-    for old, new in _LEGACY_PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return None
-
-
-def is_legacy_layout(names) -> bool:
-    return any(n.startswith(("vision_encoder.", "text_model.", "region_model.")) for n in names)
-
-
 def normalise_names(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Map either official layout onto the current names (no "model." prefix)."""
     tensors = {k.replace("._orig_mod", ""): v for k, v in tensors.items()}
@@ -286,7 +235,7 @@ def normalise_names(tensors: dict[str, torch.Tensor], source: str) -> dict[str, 
         return {k.removeprefix("model."): v for k, v in tensors.items()}
     out = {}
     for name, tensor in tensors.items():
-        current = _legacy_to_current(name)
+        current = legacy_to_current(name)
         if current is None:
             raise CheckpointError(f"{source}: unexpected tensor '{name}' in legacy-layout checkpoint")
         if current.endswith("_features"):
@@ -371,11 +320,6 @@ def _dequantize_state(state: dict[str, torch.Tensor], expected: dict, config: Mo
             state[base] = dequantize(parts["packed"], parts["scale"], parts["zero_point"], shape)
 
 
-def is_expert_weight(name: str, tensor: torch.Tensor) -> bool:
-    """Moondream 3's stacked experts (either layout, once normalised: [E, rows, cols] of an MLP in a text block)."""
-    return tensor.dim() == 3 and name.endswith((".mlp.fc1.weight", ".mlp.fc2.weight"))
-
-
 def _dequantize_fp8(state: dict[str, torch.Tensor], source: str, dtype: torch.dtype, keep_experts: bool) -> None:
     """Replace every FP8 weight and its scale per output row by weight * scale in dtype, one tensor at a time; with
     keep_experts the experts' FP8 weights stay, their scales beside them as float32 [E, rows]."""
@@ -398,13 +342,6 @@ def _dequantize_fp8(state: dict[str, torch.Tensor], source: str, dtype: torch.dt
             raise CheckpointError(f"{source}: unexpected tensor '{name}' (a scale whose weight is not FP8)")
 
 
-def _split_tau(state: dict[str, torch.Tensor]) -> None:
-    """tau's query and value matrices stored as one (wqwv: wq's rows, then wv's) -> attn.tau.wq and wv."""
-    for name in [n for n in state if n.endswith(".attn.tau.wqwv")]:
-        wq, wv = state.pop(name).chunk(2)
-        state[name.removesuffix("wqwv") + "wq"], state[name.removesuffix("wqwv") + "wv"] = wq, wv
-
-
 def load_state(path: str | Path, config: MoondreamConfig, keep_packed: bool = False,
                dtype: torch.dtype = torch.float32, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
     """Read, normalise and validate every tensor (4-bit ones dequantised, or with keep_packed the text blocks' kept
@@ -418,7 +355,7 @@ def load_state(path: str | Path, config: MoondreamConfig, keep_packed: bool = Fa
     source = ", ".join(str(f) for f in files)
     expected = expected_shapes(config)
     _dequantize_fp8(state, source, dtype, keep_fp8)
-    _split_tau(state)
+    split_tau(state)
     _dequantize_state(state, expected, config, source, keep_packed)
     missing = sorted(set(expected) - set(state))
     if missing:

@@ -10,7 +10,7 @@ one-request prefill wait on the host.
 A sequence with one new row after cached positions (a running sequence's decode row in a mixed step) is left to
 grouped_attention instead, with the other such rows on the same image prefix: here one query row would be a
 whole tile, and each would read the shared pages on its own (H100, 64 such rows at 776 positions, pairs sharing
-720: 209 us a layer here against 143 there; benchmarks/decode_attention.py)."""
+720: 209 us a layer here against 143 there; benchmarks/experiments/decode_attention.py)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from ..skills.catalog import SKILLS
 from ..skills.chat import chat_message
 from ..skills.generation import ReasoningThenAnswer, RegionGeneration, SegmentGeneration
 from ..skills.segment import coarse_segment
@@ -58,24 +59,25 @@ class ResultShaping:
     def _result(self, seq: Sequence) -> EngineResult:
         gen, now = seq.generation, time.perf_counter()
         seq.t_end = now
-        token_ids = []
+        token_ids, key = [], SKILLS[seq.skill].result
         if isinstance(gen, RegionGeneration):
-            key = "objects" if gen.with_size else "points"
             output = {key: [{k: min(1.0, max(0.0, v)) for k, v in obj.items()} for obj in gen.objects]}
             n_out = len(gen.objects)
         elif isinstance(gen, SegmentGeneration):
-            output = {"segments": [coarse_segment(gen.object_text, self.model.tokenizer, gen.text_ids, gen.coords,
+            output = {key: [coarse_segment(gen.object_text, self.model.tokenizer, gen.text_ids, gen.coords,
                                                   gen.sizes)]}
             n_out = len(gen.tokens)
         else:
             text = seq.detok.text if seq.detok else self.model.tokenizer.decode(gen.tokens)
-            output = {"caption" if seq.skill == "caption" else "answer": text}
+            output = {"answer": text}
             n_out, token_ids = len(gen.tokens), list(gen.tokens)
             if isinstance(gen, ReasoningThenAnswer):
                 output["reasoning"] = self._reasoning(gen)
                 n_out += len(gen.reasoning_tokens)
-            if seq.skill == "chat":
+            if key == "message":  # (the answer and its reasoning as the assistant's message)
                 output = {"message": chat_message(output)}
+            elif key != "answer":
+                output = {key: output.pop("answer"), **output}
         metrics = {
             "input_tokens": seq.input_tokens,
             "output_tokens": n_out,

@@ -187,3 +187,34 @@ class Sequence:
     @property
     def input_tokens(self) -> int:
         return self.prefix_len + len(self.token_ids)
+
+
+class EngineStream:
+    """Async iterator of StreamChunk (str); joined they equal the final text. `await result()`. Or
+    forward_to(sink), on the caller's loop: each chunk is handed to sink(chunk) as it comes."""
+
+    def __init__(self, delivery: Delivery):
+        self._delivery = delivery
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        item = await self._delivery.chunks.get()
+        if item is None:
+            self._delivery.chunks.put_nowait(None)  # stay exhausted
+            raise StopAsyncIteration
+        return item
+
+    def forward_to(self, sink) -> None:
+        self._delivery.forward_to(sink)
+
+    async def result(self) -> EngineResult:
+        return await self._delivery.result
+
+    def cancel(self) -> None:
+        self._delivery.cancel()
+
+    async def ended(self) -> None:
+        """After cancel(): until the engine has let go of the request (its pages freed)."""
+        await self._delivery.ended()

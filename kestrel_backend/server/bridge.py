@@ -26,9 +26,10 @@ import threading
 import time
 import uuid
 
-from ..engine_config import RuntimeConfig
 from ..engine import REQUEST_ARRIVAL, InferenceEngine
+from ..engine_config import RuntimeConfig
 from ..errors import EngineDraining, EngineOverloaded, InvalidRequest, RequestCancelled
+from ..skills.catalog import SKILLS
 from .metrics import TritonMetrics
 from .outbox import GuardedSender, Outbox, Outgoing
 from .protocol import WireRequest, chunk_body, final_stream_body, parse_request, result_body
@@ -89,7 +90,7 @@ class TritonBridge:
         REQUEST_ARRIVAL.set(received)  # (this task's context only)
         outcome, result, final = "error", None, None
         try:
-            if wire.stream and wire.skill in ("query", "caption", "chat"):
+            if wire.stream and SKILLS[wire.skill].streams:
                 result, final = await self._serve_stream(request_id, wire, sender)
             else:
                 result = await self._call(wire, stream=False)
@@ -121,15 +122,8 @@ class TritonBridge:
                 self.outbox.put(final)
 
     async def _call(self, wire: WireRequest, stream: bool):
-        e = self.engine
-        if wire.skill == "query":
-            return await e.query(wire.image, wire.question or "", bool(wire.reasoning), stream, wire.settings,
-                                 wire.spatial_refs)
-        if wire.skill == "chat":
-            return await e.chat(wire.messages, wire.reasoning, stream, wire.settings)
-        if wire.skill == "caption":
-            return await e.caption(wire.image, wire.length, stream, wire.settings)
-        return await getattr(e, wire.skill)(wire.image, wire.object or "", wire.settings)
+        skill = SKILLS[wire.skill]
+        return await getattr(self.engine, skill.name)(**skill.arguments(wire, stream))
 
     async def _serve_stream(self, request_id: str, wire: WireRequest, sender):
         stream = await self._call(wire, stream=True)

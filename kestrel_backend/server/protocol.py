@@ -12,9 +12,9 @@ import numpy as np
 from ..data_urls import image_bytes
 from ..errors import InvalidRequest, shown
 from ..runtime.sequence import EngineResult
+from ..skills.catalog import SKILLS
 from ..skills.chat import ChatMessage, parse_messages
 
-SKILLS = ("query", "caption", "detect", "point", "segment", "chat")
 # JSON objects MESSAGES may hold (messages and their parts): counted in its bytes before it is parsed, since parsing
 # a million parts holds the GIL, and so every request, for seconds
 MAX_MESSAGE_OBJECTS = 4096
@@ -149,24 +149,26 @@ def parse_request(get: Callable[[str], np.ndarray | None], max_text_bytes: int |
         raise InvalidRequest("SKILL is required")
     if skill not in SKILLS:
         raise InvalidRequest(f"SKILL must be one of {', '.join(SKILLS)}; got {shown(skill)}")
+    spec = SKILLS[skill]
     settings = _json("SETTINGS", get("SETTINGS"))
     if settings is not None and not isinstance(settings, dict):
         raise InvalidRequest("SETTINGS must be a JSON object")
     settings = _merge_setting_tensors(get, settings)
     spatial_refs = _spatial_refs(get("SPATIAL_REFS"))
-    if spatial_refs is not None and skill != "query":
-        raise InvalidRequest(f"SPATIAL_REFS is only taken by the query skill, not {skill}")
+    if spatial_refs is not None and not spec.spatial_refs:
+        raise InvalidRequest(f"SPATIAL_REFS is only taken by the {_taking('spatial_refs')} skill, not {skill}")
     images = _images(get("IMAGE"))
-    if len(images) > 1 and skill != "chat":
-        raise InvalidRequest(f"IMAGE holds {len(images)} images; only the chat skill takes more than one")
+    if len(images) > 1 and spec.image != "many":
+        raise InvalidRequest(f"IMAGE holds {len(images)} images; only the {_taking('image', 'many')} skill takes "
+                             "more than one")
     image = images[0] if images else None
     messages = _json("MESSAGES", get("MESSAGES"), MAX_MESSAGE_OBJECTS)
-    if skill == "chat":
+    if spec.text == "messages":
         if messages is None:
-            raise InvalidRequest("MESSAGES is required for SKILL chat")
+            raise InvalidRequest(f"MESSAGES is required for SKILL {skill}")
         messages = parse_messages(messages, [i for i in images if i])
     elif messages is not None:
-        raise InvalidRequest(f"MESSAGES is only taken by the chat skill, not {skill}")
+        raise InvalidRequest(f"MESSAGES is only taken by the {_taking('text', 'messages')} skill, not {skill}")
     return WireRequest(
         skill=skill,
         image=image,
@@ -179,6 +181,11 @@ def parse_request(get: Callable[[str], np.ndarray | None], max_text_bytes: int |
         spatial_refs=spatial_refs,
         messages=messages,
     )
+
+
+def _taking(field: str, value=True) -> str:
+    """The skills whose entry has field == value, for a message."""
+    return " and ".join(s.name for s in SKILLS.values() if getattr(s, field) == value)
 
 
 def result_body(request_id: str, result: EngineResult) -> dict:

@@ -1,1 +1,1 @@
-"""Skills: prompt building and per-request decode state machines (query, caption, point, detect, segment)."""
+"""Skills: the table of skills (catalog.py), prompt building and per-request decode state machines."""

@@ -6,7 +6,7 @@ Moondream's heads (32 of 64, bf16), rows at 776 positions whose first 720 are an
 of rows or all rows share; microseconds a layer (one launch), and grouped_attention's relative difference from the
 per-row kernel. --tiles: grouped_attention's tiles swept (positions a tile, pipeline stages, warps).
 
-    python benchmarks/decode_attention.py [--rows 16 64] [--tiles] [--out decode_attention.json]
+    python benchmarks/experiments/decode_attention.py [--rows 16 64] [--tiles] [--out decode_attention.json]
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_bench import timed  # noqa: E402
+from benchmarks.common import timed  # noqa: E402
 from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
 from kestrel_backend.kernels import grouped_attention as ga  # noqa: E402
 from kestrel_backend.kernels import prefill_attention as pa  # noqa: E402

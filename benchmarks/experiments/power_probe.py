@@ -1,7 +1,7 @@
 """What the GPU's clock does under the vision encoder's load, and what that means for its FLOP floor (GPU only).
 
-    python benchmarks/power_probe.py OUT_DIR [golden]
-    python benchmarks/power_probe.py --summary PROBE_JSON CLOCKS_CSV    (any machine: the clock per phase)
+    python benchmarks/experiments/power_probe.py OUT_DIR [golden]
+    python benchmarks/experiments/power_probe.py --summary PROBE_JSON CLOCKS_CSV    (any machine: the clock per phase)
 
 Logs nvidia-smi's SM clock, power and temperature every 20 ms into OUT_DIR/clocks.csv while it measures, with
 a time mark per phase in OUT_DIR/probe.json:
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def summary(probe_json: str, clocks_csv: str) -> None:
@@ -45,7 +45,7 @@ def summary(probe_json: str, clocks_csv: str) -> None:
 def main() -> None:
     import torch
 
-    import benchmarks.gpu_bench as gb
+    import benchmarks.common as gb
     from kestrel_backend.model.config import MoondreamConfig
     from kestrel_backend.model.moondream import Moondream
     from kestrel_backend.model.weights import random_weights

@@ -1,9 +1,9 @@
 """Where a Kestrel-method burst's time goes: the GPU's busy and idle time, and what the engine thread was doing
 while the GPU was idle.
 
-    python benchmarks/profile_burst.py [--model moondream2] [--batch 64] [--mode direct] [--images 256] [--out p.json]
+    python benchmarks/experiments/profile_burst.py [--model moondream2] [--batch 64] [--mode direct] [--images 256] [--out p.json]
         [--checkpoint DIR [--fp8-experts widen|fp8|both]]  # a checkpoint's weights (Kestrel's: kestrel_checkpoint.py)
-    python benchmarks/profile_burst.py --images 4 --batch 4   (without a GPU: a smoke run on tests/fixtures/md2-tiny)
+    python benchmarks/experiments/profile_burst.py --images 4 --batch 4   (without a GPU: a smoke run on tests/fixtures/md2-tiny)
 
 After a warm-up burst, one burst of kestrel_method.py's workload (fresh charts, two questions an image, every
 question at once) runs under torch.profiler, the scheduler's phases marked with record_function. The GPU's kernels
@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.kestrel_method import OUTPUT_TOKENS, crop_count, workload  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.common import crop_count  # noqa: E402
+from benchmarks.kestrel_method import OUTPUT_TOKENS, workload  # noqa: E402
 from kestrel_backend.engine_config import FP8_EXPERT_MODES, RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
@@ -220,7 +221,7 @@ def main() -> int:
     p.add_argument("--gaps", action="store_true", help="GPU operations only, idle time by its neighbours (above)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    tiny = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny"
+    tiny = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "md2-tiny"
     if args.checkpoint:  # (e.g. Kestrel's layout with FP8 experts: kestrel_checkpoint.py)
         model = Moondream.from_checkpoint(args.checkpoint, dtype=torch.bfloat16, device="cuda",
                                           fp8_experts=args.fp8_experts)

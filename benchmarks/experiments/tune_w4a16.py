@@ -2,7 +2,7 @@
 CUDA graph, against the bytes it must read (packed weights, scales, zero points) over the copy ceiling; bf16. One
 or two rows: the GEMV by group sums beside the one with the reference's roundings (its default tiles).
 
-    python benchmarks/tune_w4a16.py [--out tune.json]
+    python benchmarks/experiments/tune_w4a16.py [--out tune.json]
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu_bench import ceilings, graph_timed  # noqa: E402
+from benchmarks.common import ceilings, graph_timed  # noqa: E402
 from benchmarks.w4a16_bench import random_packed  # noqa: E402
 from kestrel_backend.model.config import TextConfig  # noqa: E402
 from kestrel_backend.kernels import w4a16_kernels  # noqa: E402

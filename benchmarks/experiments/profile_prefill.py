@@ -1,6 +1,6 @@
 """Profile one engine prefill step (fresh image queries) on the GPU: where does the time go?
 
-    python benchmarks/profile_prefill.py [sequences, default 16] [moondream2|moondream3] [fp8]
+    python benchmarks/experiments/profile_prefill.py [sequences, default 16] [moondream2|moondream3] [fp8]
 
 Prints the step's wall time with the torch attention path and with the engine's (the Triton prefill kernel),
 then the engine's GPU busy time (the host's launch work shows in the difference to the wall time). fp8 (Moondream 3):
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import fresh_queries, text_weight_bytes  # noqa: E402
-from benchmarks.kestrel_checkpoint import fp8_experts_beside_widened  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.common import fresh_queries, text_weight_bytes  # noqa: E402
+from kestrel_backend.model.legacy_layout import fp8_experts_beside_widened  # noqa: E402
 from kestrel_backend.kernels import moe_kernels  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402

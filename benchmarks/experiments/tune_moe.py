@@ -1,10 +1,10 @@
 """Tile sizes and paths of Moondream 3's expert MLP (kernels/moe_kernels.py), timed on the GPU with full-size expert
 weights (bf16, random) at a decode step's token count and a prefill's, in TFLOP/s and GB/s of expert weights.
 
-    python benchmarks/tune_moe.py             # the prefill tile candidates below; the kernels against the grouped GEMM
-    python benchmarks/tune_moe.py --decode    # a sweep of the up and the down kernel's tiles at 16 and 64 tokens
-    python benchmarks/tune_moe.py --one-token # the same inside whole decode steps of one sequence (full-size model)
-    python benchmarks/tune_moe.py --prefill   # a sweep of both kernels' tiles at short prefills' token counts
+    python benchmarks/experiments/tune_moe.py             # the prefill tile candidates below; the kernels against the grouped GEMM
+    python benchmarks/experiments/tune_moe.py --decode    # a sweep of the up and the down kernel's tiles at 16 and 64 tokens
+    python benchmarks/experiments/tune_moe.py --one-token # the same inside whole decode steps of one sequence (full-size model)
+    python benchmarks/experiments/tune_moe.py --prefill   # a sweep of both kernels' tiles at short prefills' token counts
     add --fp8 (not with --one-token): the experts in FP8 with a scale a row, as Kestrel's checkpoints hold them; the
     first form then also times the grouped GEMM on widened copies (KESTREL_FP8_EXPERTS=both), widened each call
     (fp8) and W8A8 (FP8 activations, torch's FP8 grouped GEMM; with and without its fast accumulation), with each
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import graph_timed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.common import graph_timed  # noqa: E402
 from kestrel_backend.model.config import MoeConfig  # noqa: E402
-from benchmarks.kestrel_checkpoint import fp8_experts  # noqa: E402
+from kestrel_backend.model.legacy_layout import fp8_experts  # noqa: E402
 from kestrel_backend.model.weights import Linear, MoE  # noqa: E402
 from kestrel_backend.kernels import moe_kernels as mk  # noqa: E402
 
@@ -82,7 +82,7 @@ def kernel_sweep(x_for, moe, m, counts=(16, 64), grid=None) -> None:
 def one_token_sweep() -> None:
     """Tiles of one token's expert kernels timed inside the whole decode step (launched ahead, context 64): there
     they share the GPU with the attention path on the other stream, and the best tiles for the MLP alone lose."""
-    from benchmarks.gpu_bench import ceilings, decode_steps
+    from benchmarks.common import ceilings, decode_steps
     from kestrel_backend.model.config import MoondreamConfig
     from kestrel_backend.model.moondream import Moondream
     from kestrel_backend.model.weights import random_weights

@@ -1,7 +1,7 @@
 """Segment's CPU stages on this machine's CPU, on a 1920x1080 image: drawing the model's outline and cropping for the
 refiner (resvg, OpenCV), then cleaning and outlining the refined mask (OpenCV). Median of 20 runs each.
 
-    python benchmarks/segment_cpu_stages.py [--out cpu_stages.json]
+    python benchmarks/experiments/segment_cpu_stages.py [--out cpu_stages.json]
 """
 
 import argparse
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kestrel_backend.runtime import segment_refiner  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Where one CUDA-graph decode step's time goes (full-size random weights, GPU only).
 
-    python benchmarks/profile_decode.py [--batch 1] [--context 800] [--model moondream2|moondream3] [--four-bit]
+    python benchmarks/experiments/profile_decode.py [--batch 1] [--context 800] [--model moondream2|moondream3] [--four-bit]
         [--fp8-experts] [--kernels 12] [--timeline kernels.txt]
 
 Prints the step's time, what a boundary between CUDA graphs costs (the step's graph replayed back to
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import captured, engine_step, steps_launched_ahead, timed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.common import captured, engine_step, steps_launched_ahead, timed  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402

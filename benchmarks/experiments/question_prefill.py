@@ -4,7 +4,7 @@ engine's prefill graph of 64 rows, Moondream 3 with FULL-SIZE random weights, FP
 with the padded rows' inputs finite (stale rows of an earlier step) or NaN (as uninitialised memory can be).
 GPU only.
 
-    python benchmarks/question_prefill.py [--out q.json]
+    python benchmarks/experiments/question_prefill.py [--out q.json]
 """
 
 import argparse
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import timed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.common import timed  # noqa: E402
 from benchmarks.kestrel_checkpoint import random_moondream3_fp8_both  # noqa: E402
 from kestrel_backend.runtime import prefill_graphs  # noqa: E402
 from kestrel_backend.runtime.attention import SeqSlice  # noqa: E402

@@ -7,7 +7,7 @@ the engine's step graph holds around the layers and LM head: the greedy choice, 
 the token embedding. The variants' CUDA graphs are replayed in interleaved rounds, so clock drift hits them
 alike (separate runs differ by 5 to 10%).
 
-    python benchmarks/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20] [--tiles | --around]
+    python benchmarks/experiments/decode_variants.py [--batch 1] [--contexts 64,800] [--rounds 20] [--tiles | --around]
 """
 
 import argparse
@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import captured, timed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.common import captured, timed  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.moondream import Moondream  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402

@@ -1,6 +1,6 @@
 """Tile sweep for the fused decode kernels at full-size Moondream 2 shapes (GPU only).
 
-    python benchmarks/tune_decode_kernels.py --out tune.json [--batches 1,8,64,128]
+    python benchmarks/experiments/tune_decode_kernels.py --out tune.json [--batches 1,8,64,128]
 
 For each batch size and kernel (layer norm + qkv + fc1/GELU; out-projection + fc2 + residual; final
 norm + LM head) it times every tile configuration and the cuBLAS ops the kernel replaces, as CUDA
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu_bench import graph_timed  # noqa: E402
+from benchmarks.common import graph_timed  # noqa: E402
 from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
 
 COPIES = 4  # distinct weight sets per timed call: 4 x >= 42 MB, beyond the H100's 50 MB L2

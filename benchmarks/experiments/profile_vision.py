@@ -1,6 +1,6 @@
 """Where the vision encoder's time goes on the GPU (full-size weights, 13 crops = one 12-tile image).
 
-    python benchmarks/profile_vision.py
+    python benchmarks/experiments/profile_vision.py
 
 Prints SDPA time per backend for the encoder's attention shape and other head widths (CUDA graphs, so without
 the launch cost), the encode time eager, as a CUDA graph (what launch gaps cost) and split over several streams,
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_bench import graph_timed, timed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.common import graph_timed, timed  # noqa: E402
 from kestrel_backend.model import vision  # noqa: E402
 from kestrel_backend.model.config import MoondreamConfig  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
