@@ -318,9 +318,9 @@ def test_a_step_takes_on_new_work_within_its_budget(tiny_dir, golden):
     config = eng.model.config
     one_image = config.text.prefix_attn + 64 + (config.vision.max_crops + 1) * config.crop_cost_in_tokens
     encoded, admitted = [], []
-    encode, attach = eng.model.encode_cropped, s._attach_images
+    encode, attach = eng.model.encode_cropped, s.attach_images
     eng.model.encode_cropped = lambda cropped, *a: encoded.append(cropped) or encode(cropped, *a)
-    s._attach_images = lambda seqs: admitted.append(len(seqs)) or attach(seqs)
+    s.attach_images = lambda seqs: admitted.append(len(seqs)) or attach(seqs)
 
     async def together():
         return await asyncio.gather(*[parity.submit_case(eng, tiny_dir, c) for c in golden])
@@ -410,7 +410,7 @@ def test_under_a_backlog_requests_are_admitted_in_groups(tiny_dir):
                                                max_batch_size=4, max_step_tokens=0))
     s = eng.scheduler
     steps = []  # (waiting, free slots, admitted) of each step with sequences running
-    admit = s._admit
+    admit = s.admit
 
     def recorded():
         waiting, free = len(s.waiting), s.max_batch_size - len(s.running)
@@ -419,7 +419,7 @@ def test_under_a_backlog_requests_are_admitted_in_groups(tiny_dir):
             steps.append((waiting, free, len(new)))
         return new
 
-    s._admit = recorded
+    s.admit = recorded
 
     async def burst():
         settings = [{"max_tokens": 1 + i % 6, "temperature": 0} for i in range(14)]
@@ -475,15 +475,15 @@ def test_under_a_backlog_image_prefixes_are_prefilled_ahead_and_answers_stay(eng
 
     try:
         s = engines[2].scheduler
-        keep = s._keep_prefixes
-        s._keep_prefixes = lambda new, ahead=(): ahead_steps.append(len(ahead)) or keep(new, ahead)
+        keep = s.keep_prefixes
+        s.keep_prefixes = lambda new, ahead=(): ahead_steps.append(len(ahead)) or keep(new, ahead)
         answers = {n: [r.output for r in asyncio.run(burst(eng, images))] for n, eng in engines.items()}
         assert answers[2] == answers[0]
         assert engines[0].scheduler.prefixes_ahead == 0 and s.prefixes_ahead >= 2
         assert min(n for n in ahead_steps if n) >= 2
         assert s.prefix_hits > engines[0].scheduler.prefix_hits
 
-        forward, failed = s._forward_flat, []
+        forward, failed = s.forward_flat, []
 
         def fails_once_ahead(new, decoding=(), ahead=()):
             if ahead and not failed:
@@ -491,7 +491,7 @@ def test_under_a_backlog_image_prefixes_are_prefilled_ahead_and_answers_stay(eng
                 raise RuntimeError("injected")
             return forward(new, decoding, ahead)
 
-        s._forward_flat = fails_once_ahead
+        s.forward_flat = fails_once_ahead
         results = asyncio.run(burst(engines[2], _random_pngs(6, 7)))
         errors = [r for r in results if isinstance(r, Exception)]
         assert failed and errors and all(isinstance(e, EngineError) for e in errors) and len(errors) < len(results)
@@ -510,8 +510,8 @@ def test_an_image_evicted_between_a_requests_arrival_and_its_admission_is_not_lo
     s = eng.scheduler
     small, wide = (next(c for c in golden if c["name"] == name) for name in ("query_small", "query_wide"))
     evicted = []
-    attach = s._attach_images
-    s._attach_images = lambda seqs: evicted.extend(  # (requests with an image and no crops arrived cached)
+    attach = s.attach_images
+    s.attach_images = lambda seqs: evicted.extend(  # (requests with an image and no crops arrived cached)
         seq.image_key not in s.images for seq in seqs if seq.image_key and seq.cropped is None) or attach(seqs)
 
     async def scenario():
@@ -554,7 +554,7 @@ def test_an_encode_ahead_counts_in_the_prefill_time_of_the_request_that_needed_i
     s.waiting.extend([holding, needing])  # (the engine is idle: nothing else reads the queue now)
     try:
         with torch.inference_mode():
-            s._encode_ahead()
+            s.encode_ahead()
         assert key in s.images and needing.encoded_ahead is not None and holding.encoded_ahead is None
     finally:
         s.waiting.clear()
@@ -768,7 +768,7 @@ def test_no_step_is_launched_ahead_for_sequences_ending_with_this_steps_token(en
         return Sequence(1, "query", [0], gen, None, capacity=64)
 
     def predictable(*seqs) -> bool:
-        return engine.scheduler._predictable(list(seqs), [s.generation.choice() for s in seqs])
+        return engine.scheduler.predictable(list(seqs), [s.generation.choice() for s in seqs])
 
     assert predictable(running(3, 1))  # this step chooses the 2nd token: the 3rd needs the next step
     assert not predictable(running(3, 2))  # this step chooses the 3rd and last
@@ -793,13 +793,13 @@ def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back
     logits, hidden = torch.arange(3.0)[:, None].repeat(1, 5), torch.arange(3.0)[:, None].repeat(1, 4)
 
     def launch(ids=(100, 101, 102), positions=(10, 11, 12)):
-        s._chosen = {seq.id: seq.next_input for seq in seqs}
-        s._ahead = (list(ids), list(positions), [()] * len(ids), (logits, hidden, RowsOf(torch.tensor([7, 8, 9]),
+        s.chosen = {seq.id: seq.next_input for seq in seqs}
+        s.step_ahead = (list(ids), list(positions), [()] * len(ids), (logits, hidden, RowsOf(torch.tensor([7, 8, 9]),
                                                                                           [0, 1, 2])))
 
     def use(running):
         ids, positions = [seq.id for seq in running], [seq.length for seq in running]
-        return s._launched_ahead(running, ids, positions, [()] * len(running))
+        return s.launched_ahead(running, ids, positions, [()] * len(running))
 
     dropped = s.steps_ahead["dropped"]
     try:
@@ -808,12 +808,12 @@ def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back
         launch()
         s.running = seqs
         s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))
-        assert s._admit() == [] and list(s.waiting)[0].id == 200  # (held back while the step is in flight)
+        assert s.admit() == [] and list(s.waiting)[0].id == 200  # (held back while the step is in flight)
         text = [TextGeneration(engine.model.config.tokenizer, Settings.from_dict({"temperature": 0, "max_tokens": 9}))
                 for _ in seqs]
         for seq, gen in zip(seqs, text):  # every running sequence takes its last (9th) token in the step in flight:
             seq.generation, gen.tokens = gen, [1] * 8  # no step after it to join, so the waiting request is admitted
-        admitted = s._admit()  # now (its prefill runs right after that step on the GPU)
+        admitted = s.admit()  # now (its prefill runs right after that step on the GPU)
         assert [seq.id for seq in admitted] == [200] and not s.waiting
         assert [seq.id for seq in s.running] == [100, 101, 102, 200]
         s.running.remove(admitted[0])  # (s.running is seqs)
@@ -824,10 +824,10 @@ def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back
         for seq, gen in zip(seqs, text):
             seq.generation = gen
         choices = [seq.generation.choice() for seq in seqs]
-        assert s._predictable(seqs, choices) and not s._may_launch_ahead(seqs, choices)  # (a slot is free for it)
+        assert s.predictable(seqs, choices) and not s.may_launch_ahead(seqs, choices)  # (a slot is free for it)
         s.max_batch_size, full = len(seqs), s.max_batch_size
         try:
-            assert s._may_launch_ahead(seqs, choices)  # (every slot taken: it waits anyway)
+            assert s.may_launch_ahead(seqs, choices)  # (every slot taken: it waits anyway)
         finally:
             s.max_batch_size = full
         rows, (lg, hd, greedy) = use([seqs[0], seqs[2]])  # the middle one ended
@@ -835,7 +835,7 @@ def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back
         launch(positions=(10, 11, 13))  # a position differs: dropped
         assert use(seqs) == (None, None) and s.steps_ahead["dropped"] == dropped + 1
     finally:
-        s._ahead, s.running, s._chosen = None, [], {}
+        s.step_ahead, s.running, s.chosen = None, [], {}
         s.waiting.clear()
 
 
@@ -860,18 +860,18 @@ def test_a_lone_prefills_first_decode_step_is_launched_behind_it_when_the_next_s
 
     new, leaving, staying = text_seq(1, 30), text_seq(2, 30, tokens_so_far=29), text_seq(3, 30, tokens_so_far=5)
     try:
-        assert s._may_launch_first_decode([new], [leaving]) and s._may_launch_first_decode([new], [])
-        assert not s._may_launch_first_decode([new], [leaving, staying])  # (the next step decodes staying too)
-        assert not s._may_launch_first_decode([text_seq(4, 1)], [])  # (its first token is its last)
-        assert not s._may_launch_first_decode([text_seq(5, 30, temperature=0.5)], [])
+        assert s.may_launch_first_decode([new], [leaving]) and s.may_launch_first_decode([new], [])
+        assert not s.may_launch_first_decode([new], [leaving, staying])  # (the next step decodes staying too)
+        assert not s.may_launch_first_decode([text_seq(4, 1)], [])  # (its first token is its last)
+        assert not s.may_launch_first_decode([text_seq(5, 30, temperature=0.5)], [])
         s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))
-        assert not s._may_launch_first_decode([new], [leaving])  # (it could join the next step: it would wait)
+        assert not s.may_launch_first_decode([new], [leaving])  # (it could join the next step: it would wait)
         s.max_batch_size, slots = 1, s.max_batch_size
         adapter = asyncio.run_coroutine_threadsafe(engine.adapters.acquire("r4"), engine.loop).result(timeout=60)
         try:
-            assert s._may_launch_first_decode([new], [leaving])  # (every slot taken: it waits anyway)
+            assert s.may_launch_first_decode([new], [leaving])  # (every slot taken: it waits anyway)
             new.adapter = adapter
-            assert not s._may_launch_first_decode([new], [leaving])  # (the step launched ahead has no adapters)
+            assert not s.may_launch_first_decode([new], [leaving])  # (the step launched ahead has no adapters)
         finally:
             s.max_batch_size, new.adapter = slots, None
             engine.adapters.release(adapter)

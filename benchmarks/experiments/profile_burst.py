@@ -54,9 +54,9 @@ from kestrel_backend.skills import sampling  # noqa: E402
 
 PHASES = {  # marked methods -> their names in the profile
     (Scheduler, "step"): "step",
-    (Scheduler, "_admit"): "admit",
+    (Scheduler, "admit"): "admit",
     (Scheduler, "_encode"): "encode (launch)",
-    (Scheduler, "_forward_flat"): "prefill (launch)",
+    (Scheduler, "forward_flat"): "prefill (launch)",
     (Scheduler, "_decode"): "decode (launch)",
     (Scheduler, "_prepare_next_step"): "prepare next step",
     (Scheduler, "_advance"): "advance (stream, finish)",
@@ -64,9 +64,9 @@ PHASES = {  # marked methods -> their names in the profile
     (HostTokens, "tolist"): "read tokens (wait)",  # (the tokens a decode step's graph chose)
 }
 HOST_TIMED = [  # (owner, attribute) -> the engine thread's seconds in each (--light; nested ones counted in each)
-    (Scheduler, "_admit"), (Scheduler, "_attach_images"), (Scheduler, "_prefixes_ahead"),
-    (Scheduler, "_forward_flat"), (Scheduler, "_decode"), (Scheduler, "_prepare_next_step"), (Scheduler, "_advance"),
-    (Scheduler, "_keep_prefixes"), (Scheduler, "_end"), (Moondream, "embed_prompt"), (Moondream, "image_prefix"),
+    (Scheduler, "admit"), (Scheduler, "attach_images"), (Scheduler, "_prefixes_ahead"),
+    (Scheduler, "forward_flat"), (Scheduler, "_decode"), (Scheduler, "_prepare_next_step"), (Scheduler, "_advance"),
+    (Scheduler, "keep_prefixes"), (Scheduler, "_end"), (Moondream, "embed_prompt"), (Moondream, "image_prefix"),
     (PrefillGraphs, "run"), (CudaGraphDecoder, "run"), (CudaGraphDecoder, "prepare"),
     (sampling.TokensToHost, "tolist"), (HostTokens, "tolist"), (torch.cuda.CUDAGraph, "replay"),
     (PagedKVCache, "rows"), (pa.OneRowGroups, "pack"), (pa, "context_slots"), (pa, "work_items"),

@@ -34,7 +34,7 @@ class PrefixAhead:
 
 
 class Admission:
-    def _admit(self) -> list[Sequence]:
+    def admit(self) -> list[Sequence]:
         """Waiting sequences into the batch, in arrival order, while slots, pages and the step's budget last. A
         sequence whose image prefix another one prefills in this step waits for the next step, which reads that
         prefix from the prefix cache (questions on one image arrive together: admitted together, each would
@@ -46,8 +46,8 @@ class Admission:
         new, deferred, prefilling, encoding = [], [], set(), set()
         spent, ahead = 0, self._encodes_ahead()
         leaving = sum(not seq.generation.may_continue_after_next_token() for seq in self.running)
-        if self._ahead is not None and leaving < len(self.running) and any(
-                seq.id in self._ahead[0] for seq in self.running):
+        if self.step_ahead is not None and leaving < len(self.running) and any(
+                seq.id in self.step_ahead[0] for seq in self.running):
             # this step's decode was launched last step: requests join the next one, in its prefill forward (mixed),
             # rather than in one of their own (a forward reads every weight: every expert of a mixture)
             # (nor prefixes ahead, which would be a forward of their own, nor images encoded further ahead than
@@ -91,10 +91,10 @@ class Admission:
         self.waiting.extendleft(reversed(deferred))  # (at the head again, in their order)
         self._spent = spent
         self._slots_full = bool(self.waiting) and len(self.running) - leaving >= self.max_batch_size
-        return self._attach_images(new)
+        return self.attach_images(new)
 
     def _encodes_ahead(self) -> bool:
-        """Whether new images are encoded ahead, after a step's work (_encode_ahead), rather than in the step
+        """Whether new images are encoded ahead, after a step's work (encode_ahead), rather than in the step
         that admits their sequences: with a step budget, and sequences running (whose steps the encode can
         follow while the engine thread reads their tokens; an idle engine encodes at once)."""
         return bool(self.max_step_tokens and self.running)
@@ -133,7 +133,7 @@ class Admission:
         whose prefill gives the first token."""
         return self._page_keys(seq)[:(self._prompt_len(seq) - 1) // self.cache.page_size]
 
-    def _keep_prefixes(self, prefilled: list[Sequence], ahead: list[PrefixAhead] = ()) -> None:
+    def keep_prefixes(self, prefilled: list[Sequence], ahead: list[PrefixAhead] = ()) -> None:
         """Offer the prompts' whole pages just written to the prefix cache (in stream order, later steps read them
         after this one has written them), and the image prefixes prefilled ahead."""
         written = [seq for seq in prefilled if seq.image_key is not None and not seq.cached_tokens]

@@ -1,7 +1,7 @@
 """How long an image encode launched ahead of its sequences' admission took, read once it has run.
 
 A sequence's prefill time counts its image's encode. Encoded in the step that admits it, the encode falls inside
-that step's time; encoded ahead, behind an earlier step's work (scheduler._encode_ahead), it is timed here: by a
+that step's time; encoded ahead, behind an earlier step's work (scheduler.encode_ahead), it is timed here: by a
 pair of CUDA events on a GPU (read after a later step has waited for the stream, so reading never waits), by the
 host's clock on a CPU, where the encode runs as it is called.
 """

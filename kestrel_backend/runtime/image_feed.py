@@ -17,7 +17,7 @@ log = logging.getLogger("kestrel.scheduler")
 
 
 class ImageFeed:
-    def _attach_images(self, seqs: list[Sequence]) -> list[Sequence]:
+    def attach_images(self, seqs: list[Sequence]) -> list[Sequence]:
         """Image prefixes (and a conversation's later image blocks) for newly admitted sequences: cached embeddings,
         else one batched encode."""
         self._restore_held(seqs)
@@ -83,14 +83,14 @@ class ImageFeed:
         thread reads this step's tokens, streams them and admits: the images of the sequences the next step
         admits encoded, and later images' crops copied in. A failure here ends no other request."""
         if self._encodes_ahead():
-            self._encode_ahead()
+            self.encode_ahead()
         if self.crop_staging is not None:
             try:
                 self.crop_staging.stage(self.waiting, self.images)
             except Exception:  # (the encode copies the crops in itself)
                 log.exception("staging crops on the GPU failed")
 
-    def _encode_ahead(self) -> None:
+    def encode_ahead(self) -> None:
         """Encode the images of the sequences at the head of the queue, as many as the next step can admit (at
         least two: a question or two on the next image), within what the step's budget has left; at least one
         image, so that an image larger than the budget is still encoded. Each image's encode time is counted in

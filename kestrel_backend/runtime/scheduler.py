@@ -56,8 +56,8 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
         # (prefix_cache_size counts image prefixes: that many prefixes' whole pages, whatever prompts fill them)
         self.prefixes = PrefixCache(cache, prefix_cache_size * (model.config.text.prefix_attn // cache.page_size))
         self.max_batch_size = max_batch_size
-        self.max_step_tokens = max_step_tokens  # the budget of _admit (0: none)
-        self.admit_group = admit_group  # under a backlog, admit no fewer at once (_admit; 0: as slots free)
+        self.max_step_tokens = max_step_tokens  # the budget of admit (0: none)
+        self.admit_group = admit_group  # under a backlog, admit no fewer at once (admit; 0: as slots free)
         # A step that admits sequences runs the running ones' decode inputs in the same forward as the new prompts
         # (eager or a prefill graph) instead of a decode forward (graph) after it: every weight (every expert of a
         # mixture) is read once a step, not twice
@@ -67,7 +67,7 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
         # expert) however few its rows, and otherwise each freed slot's image is prefilled in a step of its own
         self.prefix_ahead = prefix_ahead
         self._placeholder_ids = itertools.count(-(1 << 30), -1)
-        self._slots_full = False  # (set by _admit: requests wait for a slot)
+        self._slots_full = False  # (set by admit: requests wait for a slot)
         self.prefixes_ahead = 0  # image prefixes prefilled ahead of their requests
         # steps by how many image prefixes they wrote (their sequences' or ahead of them): a prefill step reads every
         # weight (every expert) however few its rows, so fewer, larger ones cost less
@@ -95,8 +95,8 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
         self.prefix_hits = 0  # sequences admitted with their image prefix's KV pages shared
         self.phase_s = {"prefill": 0.0, "decode": 0.0, "choose": 0.0, "advance": 0.0}  # where step time goes
         self.fault_injector = None  # tests and chaos runs: a callable run inside each step
-        self._ahead = None  # a decode step launched before the last one's tokens were read (see _decode)
-        self._chosen: dict[int, int] = {}  # the tokens chosen in the last step, by sequence id
+        self.step_ahead = None  # a decode step launched before the last one's tokens were read (see _decode)
+        self.chosen: dict[int, int] = {}  # the tokens chosen in the last step, by sequence id
         self.steps_ahead = {"used": 0, "dropped": 0}
         self.segment_refiner = None  # runtime.segment_refiner.SegmentRefiner (Moondream 3), or None: coarse outlines
         self._refining: dict[asyncio.Task, Sequence] = {}  # segments being refined after leaving the batch
@@ -140,12 +140,12 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
     def step(self) -> None:
         for seq in [s for s in list(self.waiting) + self.running if s.delivery.cancelled.is_set()]:
             self._end(seq, error=RequestCancelled("request cancelled"))
-        t0 = time.perf_counter()  # (a new sequence's prefill time counts its image's encode, launched in _admit)
-        new = self._admit()
+        t0 = time.perf_counter()  # (a new sequence's prefill time counts its image's encode, launched in admit)
+        new = self.admit()
         decoding = [s for s in self.running if s not in new]
         batch = new + decoding
         if not decoding:
-            self._ahead = None  # (its sequences have all ended)
+            self.step_ahead = None  # (its sequences have all ended)
         if not batch:
             return
         ahead: list[PrefixAhead] = []
@@ -156,13 +156,13 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
                 self._prefixes_ahead(new, ahead)
                 outputs = []
                 prefilling = new or ahead
-                mixed = prefilling and decoding and self.mixed_steps and self._ahead is None  # see mixed_steps
+                mixed = prefilling and decoding and self.mixed_steps and self.step_ahead is None  # see mixed_steps
                 if prefilling:  # whole prompts (in a mixed step also the running sequences' inputs), prefixes ahead
                     seqs = batch if mixed else new
-                    logits, hidden = self._forward_flat(new, decoding if mixed else (), ahead)
+                    logits, hidden = self.forward_flat(new, decoding if mixed else (), ahead)
                     if seqs:
                         outputs.append((seqs, logits, hidden, None))
-                    self._keep_prefixes(new, ahead)
+                    self.keep_prefixes(new, ahead)
                 if mixed:
                     staying = [s for s in decoding + new if s.generation.may_continue_after_next_token()]
                     if self.decoder is not None and staying:  # (the next step's rows, unless some end early)
@@ -173,7 +173,7 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
                     outputs.append((decoding, *self._decode(decoding, launch_ahead=not new)))
                 picks = [launch_choice(logits, [seq.generation.choice() for seq in seqs], greedy)
                          for seqs, logits, _, greedy in outputs]
-                if new and not mixed and self.decoder is not None and self._may_launch_first_decode(new, decoding):
+                if new and not mixed and self.decoder is not None and self.may_launch_first_decode(new, decoding):
                     self._launch_first_decode(new, picks[0])
                 t2 = time.perf_counter()
                 self._prepare_next_step()  # (on the GPU after this step's work, while the tokens are read)
@@ -184,10 +184,10 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
                 for seq in new:  # until its first token is chosen (and its image's encode and prefix, if done ahead)
                     seq.prefill_ms = ((t3 - t0) * 1000 + (seq.encoded_ahead.ms() if seq.encoded_ahead else 0.0)
                                       + seq.prefilled_ahead_ms)
-                self._chosen = {}
+                self.chosen = {}
                 for (seqs, _, hidden, _), tokens in zip(outputs, chosen):
                     for seq, token, h in zip(seqs, tokens, hidden):
-                        self._chosen[seq.id] = token
+                        self.chosen[seq.id] = token
                         self._advance(seq, token, h)
                 t4 = time.perf_counter()
                 for phase, dt in zip(self.phase_s, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
@@ -195,7 +195,7 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
             self.consecutive_failures = 0
         except Exception as e:  # fail this step's requests only; the engine keeps serving
             log.exception("engine step failed")
-            self._ahead = None
+            self.step_ahead = None
             self.consecutive_failures += 1
             for seq in batch:
                 self._end(seq, error=EngineError(f"inference step failed: {type(e).__name__}: {e}"))

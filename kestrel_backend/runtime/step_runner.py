@@ -48,11 +48,11 @@ class StepRunner:
         """-> (logits, hidden, greedy tokens when the step chose them already, or None). launch_ahead:
         the next step will decode the same sequences, if none finishes."""
         if self.decoder is None:
-            return *self._forward_flat([], seqs), None
+            return *self.forward_flat([], seqs), None
         ids, positions = [s.id for s in seqs], [s.length for s in seqs]
         choices = [s.generation.choice() for s in seqs]
         banned = [c.banned for c in choices]
-        rows, outputs = self._launched_ahead(seqs, ids, positions, banned)
+        rows, outputs = self.launched_ahead(seqs, ids, positions, banned)
         if outputs is not None:
             logits, hidden, greedy = outputs  # launched last step, with these inputs (and maybe rows since ended)
             self.steps_ahead["used"] += 1
@@ -62,24 +62,24 @@ class StepRunner:
         for seq in seqs:
             seq.length += 1
         positions = [s.length for s in seqs]
-        if launch_ahead and greedy is not None and rows is None and self._may_launch_ahead(seqs, choices):
+        if launch_ahead and greedy is not None and rows is None and self.may_launch_ahead(seqs, choices):
             self._launch_ahead(ids, positions, banned)  # (while the GPU runs this step)
         else:
             self.decoder.prepare(ids, positions)  # stage the next step's rows while the GPU runs this one
         return logits, hidden, greedy
 
-    def _launched_ahead(self, seqs: list[Sequence], ids, positions, banned):
+    def launched_ahead(self, seqs: list[Sequence], ids, positions, banned):
         """The decode step launched last step, if it computed these sequences' inputs: -> (None, its outputs) if it
         holds exactly them, (their rows in it, their outputs) if it also holds rows that have ended since (ended by
         a stop token, cancelled: their tokens are dropped, their cache writes land in pages they give back), else
         (None, None): it is dropped (its writes land in slots that this step rewrites)."""
-        ahead, self._ahead = self._ahead, None
+        ahead, self.step_ahead = self.step_ahead, None
         if ahead is None:
             return None, None
         held = {seq_id: (row, pos, ban) for row, (seq_id, pos, ban) in enumerate(zip(*ahead[:3]))}
         rows = [held.get(seq_id, (None,))[0] for seq_id in ids]
         if None in rows or any(held[i][1:] != (p, b) for i, p, b in zip(ids, positions, banned)) or not all(
-                isinstance(s.next_input, int) and s.next_input == self._chosen.get(s.id) for s in seqs):
+                isinstance(s.next_input, int) and s.next_input == self.chosen.get(s.id) for s in seqs):
             self.steps_ahead["dropped"] += 1
             return None, None
         logits, hidden, greedy = ahead[3]
@@ -91,17 +91,17 @@ class StepRunner:
     def _launch_ahead(self, ids: list[int], positions: list[int], banned: list[tuple[int, ...]]) -> None:
         """Launch a decode step of these sequences before the host has read their inputs, the tokens the GPU's last
         step chose (fed back on the GPU): the next step uses it if the guess holds, else drops it."""
-        self._ahead = (ids, positions, banned, self.decoder.run([self.decoder.FED_BACK] * len(ids), ids, positions,
+        self.step_ahead = (ids, positions, banned, self.decoder.run([self.decoder.FED_BACK] * len(ids), ids, positions,
                                                                 banned))
 
-    def _may_launch_ahead(self, seqs: list[Sequence], choices) -> bool:
+    def may_launch_ahead(self, seqs: list[Sequence], choices) -> bool:
         """Whether to launch the next decode step of seqs (all the sequences it will hold) now: its inputs are
-        predictable, and no waiting request could take a free slot in it (_admit holds requests back while a step
+        predictable, and no waiting request could take a free slot in it (admit holds requests back while a step
         launched ahead is in flight: one step, as none is launched again while they wait)."""
         room = self.waiting and len(seqs) < self.max_batch_size
-        return not room and self._predictable(seqs, choices)
+        return not room and self.predictable(seqs, choices)
 
-    def _may_launch_first_decode(self, new: list[Sequence], decoding: list[Sequence]) -> bool:
+    def may_launch_first_decode(self, new: list[Sequence], decoding: list[Sequence]) -> bool:
         """Whether the sequences this step prefilled alone (not mixed) have their first decode step launched now,
         behind their prefill, taking its tokens on the GPU: when the next step decodes exactly them (every running
         sequence takes its last token in this step, no waiting request could take a free slot), and their inputs
@@ -111,7 +111,7 @@ class StepRunner:
         if any(s.generation.may_continue_after_next_token() for s in decoding) or any(
                 s.adapter is not None for s in new):
             return False
-        return self._may_launch_ahead(new, [s.generation.choice() for s in new])
+        return self.may_launch_ahead(new, [s.generation.choice() for s in new])
 
     def _launch_first_decode(self, new: list[Sequence], tokens) -> None:
         """Launch the decode step after the prefill of `new` ahead, its inputs the prefill's chosen tokens (still on
@@ -121,7 +121,7 @@ class StepRunner:
                            [s.generation.banned_after_next_token() for s in new])
 
     @staticmethod
-    def _predictable(seqs: list[Sequence], choices) -> bool:
+    def predictable(seqs: list[Sequence], choices) -> bool:
         """Whether the next step's inputs are this step's tokens, with the same bans: every sequence
         generates text greedily and has room for another token, which its max_tokens allows (one ending with this
         step's token leaves the next step, which would drop a step launched ahead: for a direct answer of 3 tokens,
@@ -129,7 +129,7 @@ class StepRunner:
         return all(s.generation.feeds_back_tokens and c.temperature == 0 and s.length < s.capacity
                    and s.generation.may_continue_after_next_token() for s, c in zip(seqs, choices))
 
-    def _forward_flat(self, prefilling: list[Sequence], decoding: list[Sequence] = (),
+    def forward_flat(self, prefilling: list[Sequence], decoding: list[Sequence] = (),
                       ahead: list[PrefixAhead] = ()):
         """One forward over a flat token list through self.attention: the whole prompts of `prefilling` (from the
         first position not in the cache yet), then one input of each of `decoding`, then the image prefixes of
