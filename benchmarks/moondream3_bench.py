@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (ROOT, ceilings, decode_steps, engine_golden_check, table,  # noqa: E402
                                   text_weight_bytes)
-from benchmarks.kestrel_checkpoint import fp8_experts, to_kestrel_layout  # noqa: E402
+from kestrel_backend.model.legacy_layout import fp8_experts, to_kestrel_layout  # noqa: E402
 from kestrel_backend.engine_config import RuntimeConfig  # noqa: E402
 from kestrel_backend.engine import InferenceEngine  # noqa: E402
 from kestrel_backend.parity import json_close, submit_case  # noqa: E402

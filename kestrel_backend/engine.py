@@ -169,6 +169,13 @@ class InferenceEngine:
         """Requests accepted but not yet running: being admitted (image decode) or waiting for a slot."""
         return len(self.scheduler.waiting) + self._admitting
 
+    def threads_alive(self) -> list[threading.Thread]:
+        """The engine's threads still running (its loop's, its image decoders'): none once shutdown() returned."""
+        return [t for t in [self._thread, *self._decoders._threads] if t.is_alive()]
+
+    def next_sequence_id(self) -> int:
+        return next(self._ids)
+
     def no_request_holds_pages(self) -> bool:
         """Every KV page is free or kept by the prefix cache alone, and no adapter is pinned: what must hold once
         requests have ended."""
@@ -182,7 +189,7 @@ class InferenceEngine:
         cached = s.prefixes.idle_pages  # held by the prefix cache alone: taken back when admission needs them
         return {"pages_total": self.kv.num_pages, "pages_used": self.kv.pages_used - cached, "pages_cached": cached,
                 "pages_free": self.kv.pages_free, "prefix_hits": s.prefix_hits,
-                "queue_depth": self._queue_depth, "running": len(s.running), "draining": int(self.draining),
+                "queue_depth": self._queue_depth, "images_decoding": len(self._decoding), "running": len(s.running), "draining": int(self.draining),
                 "images_encoded": s.images_encoded, "images_cached": len(self.images), "steps": s.steps,
                 "step_phase_seconds": dict(s.phase_s)}
 
@@ -300,7 +307,8 @@ class InferenceEngine:
         ids = region_prompt(self.model.config.tokenizer, skill, self._encode(" " + obj, "OBJECT"))
         return await self._submit(skill, self._need_image(image), ids, self._settings(settings), False)
 
-    def _crop(self, data: bytes):
+    def crop_image(self, data: bytes):
+        """An image's crops as the engine encodes them (decoded within the engine's image limits)."""
         return self.model.crop_image(decode_image(data, self.image_limits))
 
     def _pixels_and_crop(self, data: bytes, crop: bool):
@@ -313,7 +321,7 @@ class InferenceEngine:
         (a burst of questions on one new image). shield: a cancelled request leaves the others' decode be."""
         decoding = self._decoding.get(key)
         if decoding is None:
-            decoding = self._decoding[key] = self.loop.run_in_executor(self._decoders, self._crop, data)
+            decoding = self._decoding[key] = self.loop.run_in_executor(self._decoders, self.crop_image, data)
             decoding.add_done_callback(lambda _: self._decoding.pop(key, None))
         return await asyncio.shield(decoding)
 
@@ -399,7 +407,7 @@ class InferenceEngine:
             if settings.adapter is not None:
                 adapter = await self.adapters.acquire(self._adapter_id(settings.adapter))
             detok = IncrementalDetokenizer(self.model.tokenizer) if stream_text(skill, delivery.stream) else None
-            seq = Sequence(next(self._ids), skill, ids, gen, delivery, image_key=key, cropped=cropped,
+            seq = Sequence(self.next_sequence_id(), skill, ids, gen, delivery, image_key=key, cropped=cropped,
                            held_embedding=held, capacity=capacity, detok=detok, adapter=adapter,
                            prompt_overrides=overrides, t_submit=arrived, pixels=pixels, later_images=later)
             self.scheduler.add(seq)

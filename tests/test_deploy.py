@@ -183,7 +183,7 @@ def test_a_kind_gpu_instance_runs_its_engine_on_its_own_gpu():
 def test_the_image_pool_counts_the_cpus_a_container_may_use(tmp_path, monkeypatch):
     """A pod's CPU limit (a cgroup CPU quota) bounds the CPUs counted, not only its cpuset: a decode pool sized
     from the node's CPUs would take the engine thread's."""
-    from kestrel_backend import config
+    from kestrel_backend import engine_config as config
 
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     v2, v1 = tmp_path / "v2", tmp_path / "v1"

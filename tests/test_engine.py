@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from kestrel_backend import parity
-from kestrel_backend.engine_config import PREFIX_AHEAD_MOE, ConfigError, RuntimeConfig
 from kestrel_backend.engine import (EngineDraining, EngineError, EngineOverloaded, InferenceEngine, InvalidRequest,
                                     RequestCancelled)
+from kestrel_backend.engine_config import PREFIX_AHEAD_MOE, ConfigError, RuntimeConfig
+from kestrel_backend.images import decode_image
 from kestrel_backend.runtime.image_cache import image_key
 from kestrel_backend.runtime.prefix_cache import page_keys
 from kestrel_backend.runtime.sequence import Delivery, Sequence
@@ -25,7 +26,7 @@ def engine(tiny_dir):
                                                adapter_dir=str(tiny_dir / "adapters")))
     yield eng
     eng.shutdown()
-    assert not eng._thread.is_alive()
+    assert eng.threads_alive() == []
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,7 @@ class ScriptedText(Generation):
 
     def on_output(self, logits, hidden):
         if not self.script:
-            self._finish("stop")
+            self.finish("stop")
             return None
         self.tokens.append(self.script.pop(0))
         return self.tokens[-1]
@@ -241,13 +242,13 @@ def slow_decodes(engine, monkeypatch) -> list:
     """The images the engine decodes from now on, each decode taking 0.2 s (as a real image's may): requests sent
     together all arrive while it runs, not after a broken image failed in microseconds (which then rightly decodes
     again)."""
-    decoded, crop = [], engine._crop
+    decoded, crop = [], engine.crop_image
 
     def slow_crop(data):
         decoded.append(data)
         time.sleep(0.2)
         return crop(data)
-    monkeypatch.setattr(engine, "_crop", slow_crop)
+    monkeypatch.setattr(engine, "crop_image", slow_crop)
     return decoded
 
 
@@ -546,11 +547,11 @@ def test_an_encode_ahead_counts_in_the_prefill_time_of_the_request_that_needed_i
     key = image_key(image)
 
     def waiting(held, cropped) -> Sequence:
-        return Sequence(next(engine._ids), "query", [0], Generation(), None, image_key=key, cropped=cropped,
+        return Sequence(engine.next_sequence_id(), "query", [0], Generation(), None, image_key=key, cropped=cropped,
                         held_embedding=held, capacity=800)
 
-    holding = waiting(engine.model.encode_cropped([engine._crop(image)])[0], None)
-    needing = waiting(None, engine._crop(image))
+    holding = waiting(engine.model.encode_cropped([engine.crop_image(image)])[0], None)
+    needing = waiting(None, engine.crop_image(image))
     s.waiting.extend([holding, needing])  # (the engine is idle: nothing else reads the queue now)
     try:
         with torch.inference_mode():
@@ -582,7 +583,7 @@ def test_a_burst_on_one_new_image_decodes_it_once_and_survives_a_cancel(engine, 
     assert all(r.output["answer"] is not None for r in results[1:6])
     assert all(isinstance(r, InvalidRequest) and "IMAGE" in str(r) for r in results[6:])
     assert decoded.count(image) == 1 and decoded.count(image[:200]) == 1
-    assert engine._decoding == {} and engine.no_request_holds_pages()
+    assert engine.stats()["images_decoding"] == 0 and engine.no_request_holds_pages()
 
 
 def test_bad_inputs_are_named(engine):
@@ -611,8 +612,7 @@ def test_shutdown_ends_in_flight_requests_with_an_error(tiny_dir):
             await stream.result()
 
     asyncio.run(run())
-    assert not eng._thread.is_alive()
-    assert not [t for t in eng._decoders._threads if t.is_alive()]  # no thread left behind
+    assert eng.threads_alive() == []  # no thread left behind
 
 
 def test_drain_refuses_new_requests_finishes_short_ones_and_ends_the_rest_at_the_deadline(tiny_dir):
@@ -1168,13 +1168,13 @@ def test_ttft_counts_from_the_requests_arrival(engine, tiny_dir, monkeypatch):
     """The engine's ttft_ms includes the image decode (and any wait for a batch slot), as a client sees it."""
     import time
 
-    crop = engine._crop
+    crop = engine.crop_image
 
     def slow_crop(data):
         time.sleep(0.3)
         return crop(data)
 
-    monkeypatch.setattr(engine, "_crop", slow_crop)
+    monkeypatch.setattr(engine, "crop_image", slow_crop)
     image = (tiny_dir / "images" / "wide.png").read_bytes() + b"\0"  # (bytes not seen before: decoded again)
     result = asyncio.run(engine.query(image, "What?", settings={"max_tokens": 2}))
     assert result.metrics["ttft_ms"] >= 300 + result.metrics["prefill_time_ms"]  # (the decode's 300 ms, then prefill)
@@ -1244,7 +1244,7 @@ def test_moondream3_segment_decodes_refines_and_equals_kestrels_pipeline(tiny_di
         want = case["output"]["segments"][0]
         coarse = coarse_segment("obj", eng.model.tokenizer, *parity.split_stream(case["stream"]))
         assert coarse["coarse_path"] == want["coarse_path"] and coarse["coarse_bbox"] == want["coarse_bbox"]
-        pixels = eng._pixels_and_crop((folder / case["image"]).read_bytes(), crop=False)[0]
+        pixels = decode_image((folder / case["image"]).read_bytes(), eng.image_limits)
         refiner: SegmentRefiner = eng.scheduler.segment_refiner
         refined = asyncio.run_coroutine_threadsafe(refiner.refine(coarse, pixels), eng.loop).result(60)
         assert refined["refined"] and refined["bbox"] == want["bbox"] and refined["svg_path"] != coarse["svg_path"]

@@ -45,7 +45,7 @@ from kestrel_backend.model.tokenizer import load_tokenizer  # noqa: E402
 from kestrel_backend.model.weights import random_weights  # noqa: E402
 from kestrel_backend.model import moondream as moondream_module  # noqa: E402
 from kestrel_backend.runtime import prefill_plan as pa, prefill_graphs  # noqa: E402
-from kestrel_backend.runtime import scheduler as scheduler_module  # noqa: E402
+from kestrel_backend.runtime import scheduler as scheduler_module, step_runner as step_runner_module  # noqa: E402
 from kestrel_backend.runtime.kv_cache import PagedKVCache  # noqa: E402
 from kestrel_backend.runtime.cuda_decode import CudaGraphDecoder, HostTokens  # noqa: E402
 from kestrel_backend.runtime.prefill_graphs import PrefillGraphs  # noqa: E402
@@ -70,7 +70,7 @@ HOST_TIMED = [  # (owner, attribute) -> the engine thread's seconds in each (--l
     (PrefillGraphs, "run"), (CudaGraphDecoder, "run"), (CudaGraphDecoder, "prepare"),
     (sampling.TokensToHost, "tolist"), (HostTokens, "tolist"), (torch.cuda.CUDAGraph, "replay"),
     (PagedKVCache, "rows"), (pa.OneRowGroups, "pack"), (pa, "context_slots"), (pa, "work_items"),
-    (prefill_graphs, "to_device"), (moondream_module, "to_device"), (scheduler_module, "to_device"),
+    (prefill_graphs, "to_device"), (moondream_module, "to_device"), (step_runner_module, "to_device"),
     (scheduler_module, "launch_choice"),
 ]
 PREFIX = "kestrel:"

@@ -29,7 +29,7 @@ class ResultShaping:
         if nxt is None:
             self._end(seq)
         elif seq.length >= seq.capacity:
-            gen._finish("length")
+            gen.finish("length")
             self._end(seq)
         else:
             seq.next_input = nxt

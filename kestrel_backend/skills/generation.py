@@ -60,7 +60,7 @@ class Generation:
     def on_output(self, token: int, hidden: torch.Tensor) -> NextInput:
         raise NotImplementedError
 
-    def _finish(self, reason: str) -> None:
+    def finish(self, reason: str) -> None:
         self.finish_reason = reason
 
 
@@ -95,11 +95,11 @@ class TextGeneration(Generation):
     def on_output(self, token, hidden) -> NextInput:
         self._steps += 1
         if token == self.tok.eos_id:
-            self._finish("stop")
+            self.finish("stop")
             return None
         self.tokens.append(token)
         if len(self.tokens) >= self.settings.max_tokens:
-            self._finish("length")
+            self.finish("length")
             return None
         return token
 
@@ -174,10 +174,10 @@ class RegionGeneration(Generation):
         m = self.model
         if self._state == "token":
             if m.ends_object_list(token, hidden):
-                self._finish("stop")
+                self.finish("stop")
                 return None
             if len(self.objects) >= self.max_objects:
-                self._finish("length")
+                self.finish("length")
                 return None
             self._x = m.coordinate(hidden)
             self._state = "y"
@@ -215,7 +215,7 @@ class SegmentGeneration(Generation):
 
     def on_output(self, token, hidden) -> NextInput:
         if token == self.tok.eos_id:
-            self._finish("stop")
+            self.finish("stop")
             return None
         self.tokens.append(token)
         m, nxt = self.model, token
@@ -230,6 +230,6 @@ class SegmentGeneration(Generation):
         else:
             self.text_ids.append(token)
         if len(self.tokens) >= self.settings.max_tokens:
-            self._finish("length")
+            self.finish("length")
             return None
         return nxt

@@ -39,7 +39,7 @@ def run_single(model: Moondream, prompt: Prompt, generation: Generation,
             return first_logits
         pos = int(positions[-1]) + 1
         if pos >= model.config.text.max_context:
-            generation._finish("length")
+            generation.finish("length")
             return first_logits
         positions = torch.tensor([pos], device=model.device)
         inputs = model.embed_tokens([nxt]) if isinstance(nxt, int) else nxt.reshape(1, -1)
