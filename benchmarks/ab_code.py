@@ -23,7 +23,10 @@ def measure(tree: str, batches: list[int], contexts: list[int], repeats: int, mo
     in FP8 with a scale a row (Kestrel's files), as KESTREL_FP8_EXPERTS=fp8 keeps them."""
     sys.path.insert(0, str(Path(tree).resolve()))  # ahead of this tree and PYTHONPATH
     import torch
-    from benchmarks.common import decode_steps
+    try:
+        from benchmarks.common import decode_steps
+    except ImportError:  # (a tree from before benchmarks/common.py)
+        from benchmarks.gpu_bench import decode_steps
     from kestrel_backend.model.config import MoondreamConfig
     from kestrel_backend.model.moondream import Moondream
     from kestrel_backend.model.weights import random_weights
