@@ -127,7 +127,8 @@ class MoondreamClient:
         """Chunk bodies ({"chunk", "completed": false}) then the final body ("completed": true)."""
         return iter(self.call(skill, stream=True, **kw))
 
-    def _one(self, skill: str, **kw) -> dict:
+    def answer(self, skill: str, **kw) -> dict:
+        """The one body of a request not streamed (any skill: build_inputs' keywords)."""
         bodies = list(self.call(skill, **kw))
         if len(bodies) != 1:
             raise MoondreamError(f"expected one response, got {len(bodies)}")
@@ -135,26 +136,26 @@ class MoondreamClient:
 
     def query(self, question: str, image: bytes | None = None, reasoning: bool = False, settings: dict | None = None,
               spatial_refs=None) -> dict:
-        return self._one("query", image=image, question=question, reasoning=reasoning, settings=settings,
+        return self.answer("query", image=image, question=question, reasoning=reasoning, settings=settings,
                          spatial_refs=spatial_refs)
 
     def chat(self, messages: list, image: bytes | list[bytes] | None = None, reasoning: bool | None = None,
              settings: dict | None = None) -> dict:
         """{"message": {"role": "assistant", "content", ...}, "finish_reason", "metrics"}. image: the bytes that a
         {"type": "image", "index": 0} part refers to, or a list of them (index i: the i-th)."""
-        return self._one("chat", image=image, messages=messages, reasoning=reasoning, settings=settings)
+        return self.answer("chat", image=image, messages=messages, reasoning=reasoning, settings=settings)
 
     def caption(self, image: bytes, length: str = "normal", settings: dict | None = None) -> dict:
-        return self._one("caption", image=image, length=length, settings=settings)
+        return self.answer("caption", image=image, length=length, settings=settings)
 
     def detect(self, image: bytes, object: str, settings: dict | None = None) -> dict:
-        return self._one("detect", image=image, object=object, settings=settings)
+        return self.answer("detect", image=image, object=object, settings=settings)
 
     def point(self, image: bytes, object: str, settings: dict | None = None) -> dict:
-        return self._one("point", image=image, object=object, settings=settings)
+        return self.answer("point", image=image, object=object, settings=settings)
 
     def segment(self, image: bytes, object: str, settings: dict | None = None) -> dict:
-        return self._one("segment", image=image, object=object, settings=settings)
+        return self.answer("segment", image=image, object=object, settings=settings)
 
 
 class AsyncMoondreamClient:

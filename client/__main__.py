@@ -1,4 +1,5 @@
-"""python -m client query|caption|detect|point|segment|chat --url localhost:8001 --image PATH [--stream]
+"""python -m client SKILL --url localhost:8001 --image PATH [--stream]   (SKILL: any of the table of skills,
+kestrel_backend/skills/catalog.py: query, caption, detect, point, segment, chat)
 
 chat: --messages '[{"role": "user", "content": "What is this?"}]' (the image, if given, joins the first user
 message)."""
@@ -8,12 +9,14 @@ import json
 import sys
 from pathlib import Path
 
+from kestrel_backend.skills.catalog import SKILLS
+
 from . import MoondreamClient, MoondreamError
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m client")
-    p.add_argument("skill", choices=["query", "caption", "detect", "point", "segment", "chat"])
+    p.add_argument("skill", choices=list(SKILLS))
     p.add_argument("--url", default="localhost:8001")
     p.add_argument("--image")
     p.add_argument("--question")
@@ -27,7 +30,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     kw = dict(image=Path(a.image).read_bytes() if a.image else None, question=a.question, object=a.object,
               length=a.length, reasoning=a.reasoning, settings=json.loads(a.settings) if a.settings else None)
-    if a.skill == "chat":
+    if a.stream and not SKILLS[a.skill].streams:
+        p.error(f"{a.skill} does not stream")
+    if SKILLS[a.skill].text == "messages":
         kw["messages"] = json.loads(a.messages or "[]")
         if kw["image"] is not None:  # the image joins the first user message, as an index into IMAGE
             first = next((m for m in kw["messages"] if m.get("role") == "user"), None)
@@ -45,7 +50,7 @@ def main(argv=None) -> int:
                 else:
                     print(body["chunk"], end="", flush=True)
         else:
-            print(json.dumps(c._one(a.skill, **kw), ensure_ascii=False))
+            print(json.dumps(c.answer(a.skill, **kw), ensure_ascii=False))
     except MoondreamError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

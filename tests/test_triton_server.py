@@ -314,6 +314,13 @@ def test_cli_and_seed_client(triton_server, tiny_dir):
     bad = subprocess.run([sys.executable, "-m", "client", "caption", "--url", triton_server["grpc"], "--image", "README.md"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "IMAGE is not a decodable" in bad.stderr
+    chat = subprocess.run([sys.executable, "-m", "client", "chat", "--url", triton_server["grpc"], "--image", img,
+                           "--messages", '[{"role": "user", "content": "What is this?"}]', "--stream",
+                           "--settings", '{"max_tokens": 4}'], capture_output=True, text=True, timeout=120)
+    assert chat.returncode == 0 and '"completed": true' in chat.stdout, chat.stderr
+    unstreamed = subprocess.run([sys.executable, "-m", "client", "point", "--url", triton_server["grpc"], "--stream",
+                                 "--image", img, "--object", "cat"], capture_output=True, text=True, timeout=60)
+    assert unstreamed.returncode == 2 and "point does not stream" in unstreamed.stderr
 
 
 def _kestrel_inputs(skill, image, question=None, obj=None, temperature=None, top_p=None, max_tokens=None,
