@@ -45,6 +45,7 @@ from kestrel_backend.model import vision as vision_model
 from kestrel_backend.kernels.rope_cuda import rope_qk_inplace
 from kestrel_backend.kernels.tau_cuda import tau_inplace, tau_rows
 from kestrel_backend.kernels import decode_kernels as dk
+from kestrel_backend.kernels import shared as kernel_shared
 from kestrel_backend.kernels import lora_kernels as lk
 from kestrel_backend.kernels import moe_kernels as mk
 from kestrel_backend.kernels.moe_lora import ExpertLora, pair_delta
@@ -238,7 +239,7 @@ def compile_for(capability: int, recorded: dict) -> tuple[list[str], int, dict]:
     JITFunction.__getitem__ = _record
     # (the wrappers ask the device what it has; there is none here)
     dk._has_pdl = lambda device: pdl
-    dk._small_shared_memory = lambda device: shared < 200 * 1024
+    kernel_shared.small_shared_memory = lambda device: shared < 200 * 1024
     launches.clear()
     launch_everything(capability)
     seen, lines, failed, compiled = set(), [], 0, {}

@@ -82,10 +82,11 @@ def test_text_widths_the_kernels_cannot_run_are_refused_at_load_with_the_widths_
     import dataclasses
 
     from kestrel_backend.model.weights import CheckpointError
+    from kestrel_backend.kernels.shared import power_of_two_chunk
     from kestrel_backend.runtime.gpu_parts import check_kernel_shapes
 
     assert dk.shape_problems(2048, 8192, 64, 32, 51200) == [] and dk.shape_problems(192, 384, 64, 32, 51200) == []
-    assert dk._power_of_two_chunk(192, 1024) == 64 and dk._power_of_two_chunk(2048, 256) == 256
+    assert power_of_two_chunk(192, 1024) == 64 and power_of_two_chunk(2048, 256) == 256
     check_kernel_shapes(TextConfig(dim=192, ff_dim=384, n_heads=3, n_kv_heads=3))
     with pytest.raises(CheckpointError, match=r"head dimension 96 is not a power of two \(the CPU engine can"):
         check_kernel_shapes(TextConfig(dim=192, ff_dim=384, n_heads=2, n_kv_heads=2))

@@ -78,3 +78,22 @@ def test_no_import_circle():
         if node not in state:
             visit(node, [node])
     assert circles == []
+
+
+def test_no_private_name_crosses_a_module():
+    """A name with a leading underscore is its module's own: no module imports one from another, or reaches one
+    through another module (`module._name`). What several modules share is public (kernels/shared.py)."""
+    known, crossing = modules(), []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text())
+        aliases = {a.asname or a.name.rpartition(".")[2] for node in ast.walk(tree)  # (the package's, not torch's)
+                   if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(
+                       "kestrel_backend")) for a in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                crossing += [f"{name}: from {node.module} import {a.name}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id in aliases and node.attr.startswith("_") and not node.attr.startswith("__"):
+                crossing.append(f"{name}: {node.value.id}.{node.attr}")
+    assert crossing == []

@@ -22,53 +22,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
-
-LN_EPS = 1e-5  # torch.nn.functional.layer_norm's default, which the reference uses
-
-
-@triton.jit
-def _gelu_tanh(x):
-    # 0.5 * (1 + tanh(u)) == sigmoid(2u): the tanh GELU without a tanh intrinsic
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    return x * tl.sigmoid(2.0 * u)
-
-
-@triton.jit
-def _after_previous_kernel(PDL: tl.constexpr):
-    """With programmatic dependent launch (Hopper and later) a kernel is started while the one before it
-    drains: wait here until that one has finished and its writes are visible, before touching memory,
-    and let the next kernel start the same way. Every kernel calls this first, so completion chains."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _mac(acc, a, w, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc [BM, BN] + a [BM, BK] @ w [BN, BK].T, a already in w's dtype. Tensor cores for many rows; for a
-    few rows a broadcast multiply-sum, which streams the weight with plain wide loads (a GEMV)."""
-    if USE_DOT:
-        return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-    return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-
-
-@triton.jit
-def _row_stats(x_ptr, x_stride, offs_m, m_mask, K: tl.constexpr, eps, BLOCK_M: tl.constexpr, STATS_K: tl.constexpr):
-    """Mean and 1/std of BLOCK_M rows (two passes, like torch: the rows are tiny and cached)."""
-    total = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, K, STATS_K):
-        offs_k = k0 + tl.arange(0, STATS_K)
-        total += tl.sum(tl.load(x_ptr + offs_m[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None],
-                                other=0.0).to(tl.float32), 1)
-    mean = total / K
-    sq = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, K, STATS_K):
-        offs_k = k0 + tl.arange(0, STATS_K)
-        x = tl.load(x_ptr + offs_m[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-        d = tl.where(m_mask[:, None], x.to(tl.float32) - mean[:, None], 0.0)
-        sq += tl.sum(d * d, 1)
-    return mean, 1.0 / tl.sqrt(sq / K + eps)
-
+from . import shared
+from .shared import LN_EPS, after_previous_kernel, dot_precision, gelu_tanh, input_chunk, mac, power_of_two_chunk, row_stats, stats_chunk, store_columns
 
 @triton.jit
 def _weight_tile(w_ptr, offs_n, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -77,43 +32,29 @@ def _weight_tile(w_ptr, offs_n, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _input_chunk(x_ptr, x_stride, offs_m, m_mask, k0, BLOCK_K: tl.constexpr, mean, rstd, g_ptr, b_ptr,
-                 dtype: tl.constexpr):
-    """x[offs_m, k0:k0 + BLOCK_K], layer-normed if given the rows' statistics (mean, rstd) and the norm's
-    weight and bias (else mean is None): then rounded to dtype, like torch's normed activations."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + offs_m[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-    if mean is not None:
-        gamma = tl.load(g_ptr + offs_k).to(tl.float32)
-        beta = tl.load(b_ptr + offs_k).to(tl.float32)
-        x = ((x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]).to(dtype)
-    return x
-
-
-@triton.jit
 def _streamed_matmul(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, w_first, offs_m, m_mask, offs_n,
                      K: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """acc + x[offs_m] @ w[offs_n].T over all K, w [N, K] contiguous, x layer-normed chunk by chunk as
-    it streams past if given the norm (_input_chunk). w_first is the weight's first K chunk, which the
+    it streams past if given the norm (input_chunk). w_first is the weight's first K chunk, which the
     caller loads before waiting for the previous kernel: in the GEMV form; with tensor cores the loop
     loads it (a chunk held ahead would need shared memory)."""
     if USE_DOT:
         for k0 in range(0, K, BLOCK_K):
             w = _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K)
-            x = _input_chunk(x_ptr, x_stride, offs_m, m_mask, k0, BLOCK_K, mean, rstd, g_ptr, b_ptr,
+            x = input_chunk(x_ptr, x_stride, offs_m, m_mask, k0, BLOCK_K, mean, rstd, g_ptr, b_ptr,
                              w_ptr.dtype.element_ty)
-            acc = _mac(acc, x, w, USE_DOT, PRECISION)
+            acc = mac(acc, x, w, USE_DOT, PRECISION)
     else:  # each chunk's load issued before the chunk ahead of it is used: two in flight
         w = w_first
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w_next = _weight_tile(w_ptr, offs_n, k0, K, BLOCK_K)
-            x = _input_chunk(x_ptr, x_stride, offs_m, m_mask, k0 - BLOCK_K, BLOCK_K, mean, rstd, g_ptr, b_ptr,
+            x = input_chunk(x_ptr, x_stride, offs_m, m_mask, k0 - BLOCK_K, BLOCK_K, mean, rstd, g_ptr, b_ptr,
                              w_ptr.dtype.element_ty)
-            acc = _mac(acc, x, w, USE_DOT, PRECISION)
+            acc = mac(acc, x, w, USE_DOT, PRECISION)
             w = w_next
-        x = _input_chunk(x_ptr, x_stride, offs_m, m_mask, K - BLOCK_K, BLOCK_K, mean, rstd, g_ptr, b_ptr,
+        x = input_chunk(x_ptr, x_stride, offs_m, m_mask, K - BLOCK_K, BLOCK_K, mean, rstd, g_ptr, b_ptr,
                          w_ptr.dtype.element_ty)
-        acc = _mac(acc, x, w, USE_DOT, PRECISION)
+        acc = mac(acc, x, w, USE_DOT, PRECISION)
     return acc
 
 
@@ -126,13 +67,8 @@ def _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w_ptr, w_first,
                            w_first, offs_m, m_mask, offs_n, K, BLOCK_K, USE_DOT, PRECISION)
     acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     if GELU:
-        acc = _gelu_tanh(acc)
+        acc = gelu_tanh(acc)
     return acc
-
-
-@triton.jit
-def _store_columns(out_ptr, acc, offs_m, m_mask, offs_n, N: tl.constexpr):
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
 TOKEN_BITS = 17  # a greedy key's low bits: 2^17 - 1 - token (vocabularies below 2^17 - 1 tokens)
@@ -181,20 +117,20 @@ def _norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_ptr, out1_p
     """Programs [0, N1 / BLOCK_N) fill out1 from w1, the rest out2 from w2; all share the normed x.
     GREEDY: out1 are logits; apply the bans and find each row's greedy token (_greedy_epilogue)."""
     first, offs_n, w_first = _columns_and_first_tile(tl.program_id(0), w1_ptr, w2_ptr, N1, K, BLOCK_N, BLOCK_K)
-    _after_previous_kernel(PDL)
+    after_previous_kernel(PDL)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    mean, rstd = _row_stats(x_ptr, x_stride, offs_m, m_mask, K, eps, BLOCK_M, STATS_K)
+    mean, rstd = row_stats(x_ptr, x_stride, offs_m, m_mask, K, eps, BLOCK_M, STATS_K)
     if first:
         acc = _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w1_ptr, w_first, bias1_ptr, offs_n, offs_m,
                                 m_mask, K, False, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
         if GREEDY:
             acc = _greedy_epilogue(acc, banned_ptr, best_ptr, offs_m, m_mask, offs_n, BANNED, TOKEN_BITS)
-        _store_columns(out1_ptr, acc, offs_m, m_mask, offs_n, N1)
+        store_columns(out1_ptr, acc, offs_m, m_mask, offs_n, N1)
     else:
         acc = _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w2_ptr, w_first, bias2_ptr, offs_n, offs_m,
                                 m_mask, K, GELU2, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
-        _store_columns(out2_ptr, acc, offs_m, m_mask, offs_n, N2)
+        store_columns(out2_ptr, acc, offs_m, m_mask, offs_n, N2)
 
 
 @triton.jit
@@ -205,7 +141,7 @@ def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, r
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w1_first = _weight_tile(w1_ptr, offs_n, 0, K1, BLOCK_K)  # before the wait: see _columns_and_first_tile
     w2_first = _weight_tile(w2_ptr, offs_n, 0, K2, BLOCK_K)
-    _after_previous_kernel(PDL)
+    after_previous_kernel(PDL)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -215,7 +151,7 @@ def _linear2_residual_kernel(a_ptr, a_stride, w1_ptr, c_ptr, c_stride, w2_ptr, r
                            BLOCK_K, USE_DOT, PRECISION)
     res = tl.load(res_ptr + offs_m[:, None] * res_stride + offs_n[None, :], mask=m_mask[:, None], other=0.0)
     acc += res.to(tl.float32) + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
-    _store_columns(out_ptr, acc, offs_m, m_mask, offs_n, N)
+    store_columns(out_ptr, acc, offs_m, m_mask, offs_n, N)
 
 
 GEMV_MAX_ROWS = 2  # up to here, streaming the weight through plain loads beats tensor cores (tune_decode_kernels.py)
@@ -246,7 +182,7 @@ def one_kernel_counters(heads: int, rows: int) -> int:
     return heads * ARRIVAL_STRIDE + rows * heads
 
 
-def _pdl(device: torch.device, rows: int) -> dict:
+def pdl_launch(device: torch.device, rows: int) -> dict:
     """Launch arguments: PDL for the kernel's constexpr, launch_pdl for Triton's launcher. Only for the
     GEMV form, where every kernel of the step is ours: among cuBLAS's kernels it measured no faster."""
     on = PDL_ENABLED and rows <= GEMV_MAX_ROWS and _has_pdl(device)
@@ -264,17 +200,8 @@ def gpu_paths(device: torch.device) -> str:
     """What this GPU gets, chosen at start: PDL (Hopper and later) or not, the small or large kernel tiles."""
     major, minor = torch.cuda.get_device_capability(device)
     pdl = "programmatic dependent launch" if _has_pdl(device) else "no programmatic dependent launch (before Hopper)"
-    tiles = "small tiles (about 100 KB of shared memory)" if _small_shared_memory(device) else "large tiles"
+    tiles = "small tiles (about 100 KB of shared memory)" if shared.small_shared_memory(device) else "large tiles"
     return f"{torch.cuda.get_device_name(device)} (sm{major}{minor}): {pdl}, {tiles}"
-
-
-@functools.lru_cache
-def _small_shared_memory(device: torch.device) -> bool:
-    """About 100 KB of shared memory per block (L4, A10, consumer cards) instead of the H100's 227 KB."""
-    if device.type != "cuda":
-        return False
-    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
-    return props["max_shared_mem"] < 200 * 1024
 
 
 def _tiles(m: int, n_sizes: tuple[int, ...], k_sizes: tuple[int, ...], dtype: torch.dtype,
@@ -296,10 +223,6 @@ def _tiles(m: int, n_sizes: tuple[int, ...], k_sizes: tuple[int, ...], dtype: to
     return block_m, block_n, block_k, 4, (2 if shallow else 4), True
 
 
-def _precision(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays exact (parity); bf16 ignores it
-
-
 def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu2: bool = False, out1=None, tiles=None,
                 banned=None, best=None):
     """layer_norm(x) @ w1.T + bias1 and, from the same normed x, [gelu](... @ w2.T + bias2).
@@ -315,7 +238,7 @@ def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu2: bo
     assert not greedy or (not n2 and banned.shape[0] == m and banned.is_contiguous() and best.shape == (m,)
                           and best.dtype == torch.int64 and n1 < (1 << TOKEN_BITS) - 1)
     block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n1, n2 or n1), (k,), x.dtype,
-                                                                        _small_shared_memory(x.device))
+                                                                        shared.small_shared_memory(x.device))
     if out1 is None:
         out1 = torch.empty(m, n1, device=x.device, dtype=x.dtype)
     assert out1.shape == (m, n1) and out1.is_contiguous()
@@ -325,9 +248,9 @@ def norm_linear(x, ln_weight, ln_bias, w1, bias1, w2=None, bias2=None, gelu2: bo
                               bias2 if n2 else bias1, out2, banned if greedy else x, best if greedy else x, m, LN_EPS,
                               K=k, N1=n1, N2=n2, GELU2=gelu2, GREEDY=greedy, BANNED=banned.shape[1] if greedy else 0,
                               TOKEN_BITS=TOKEN_BITS,
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=_stats_chunk(k, block_m),
-                              USE_DOT=use_dot, PRECISION=_precision(x), num_warps=warps, num_stages=stages,
-                              **_pdl(x.device, m))
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=stats_chunk(k, block_m),
+                              USE_DOT=use_dot, PRECISION=dot_precision(x), num_warps=warps, num_stages=stages,
+                              **pdl_launch(x.device, m))
     return out1, (out2 if n2 else None)
 
 
@@ -414,20 +337,6 @@ def shape_problems(dim: int, ff_dim: int, head_dim: int, rope_dim: int, vocab_si
     return problems
 
 
-def _power_of_two_chunk(n: int, most: int) -> int:
-    """The largest power of two that divides n and is at most `most`: a chunk tl.arange can take (powers of two
-    only) that tiles a width of any size (192, 1152) exactly."""
-    chunk = n & -n
-    while chunk > most:
-        chunk //= 2
-    return chunk
-
-
-def _stats_chunk(k: int, block_m: int) -> int:
-    """Row chunk for the norm's statistics: bounded registers."""
-    return _power_of_two_chunk(k, max(16, 4096 // block_m))
-
-
 def linear2_residual(a, w1, c, w2, residual, bias, tiles=None, out=None):
     """residual + a @ w1.T + c @ w2.T + bias in one pass (rows of a, c, residual may be strided), into out
     (contiguous) if given."""
@@ -435,15 +344,15 @@ def linear2_residual(a, w1, c, w2, residual, bias, tiles=None, out=None):
     assert a.stride(1) == c.stride(1) == residual.stride(1) == 1 and w1.is_contiguous() and w2.is_contiguous()
     one_row = dict(gemv_programs=512) if m == 1 else {}  # (the whole-step sweep in PERFORMANCE.md)
     block_m, block_n, block_k, warps, stages, use_dot = tiles or _tiles(m, (n,), (a.shape[1], c.shape[1]), a.dtype,
-                                                                        _small_shared_memory(a.device), **one_row)
+                                                                        shared.small_shared_memory(a.device), **one_row)
     if out is None:
         out = torch.empty(m, n, device=residual.device, dtype=residual.dtype)
     assert out.shape == (m, n) and out.is_contiguous()
     grid = (n // block_n, triton.cdiv(m, block_m))
     _linear2_residual_kernel[grid](a, a.stride(0), w1, c, c.stride(0), w2, residual, residual.stride(0), bias, out, m,
                                    K1=a.shape[1], K2=c.shape[1], N=n, BLOCK_M=block_m, BLOCK_N=block_n,
-                                   BLOCK_K=block_k, USE_DOT=use_dot, PRECISION=_precision(a), num_warps=warps,
-                                   num_stages=stages, **_pdl(a.device, m))
+                                   BLOCK_K=block_k, USE_DOT=use_dot, PRECISION=dot_precision(a), num_warps=warps,
+                                   num_stages=stages, **pdl_launch(a.device, m))
     return out
 
 
@@ -587,7 +496,7 @@ def _rotary_paged_attention_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, k_ptr,
     split = tl.program_id(2)
     lo, hi, kr, kp, v, valid = _first_kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, seq_lens_ptr, b, h, split,
                                                H, HKV, D, HALF, PAGE, BLOCK_N, SPLITS)
-    _after_previous_kernel(PDL)
+    after_previous_kernel(PDL)
     m_i, l_i, acc = _attend_new_token(qkv_ptr + b * qkv_stride, cos_ptr, sin_ptr, k_ptr, v_ptr, block_table_ptr,
                                       bt_stride, slots_ptr, b, h, split, lo, hi, kr, kp, v, valid, scale, H, HKV, D,
                                       HALF, PAGE, BLOCK_N)
@@ -597,7 +506,7 @@ def _rotary_paged_attention_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, k_ptr,
 @triton.jit
 def _combine_splits_kernel(part_ml_ptr, part_acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
                            PDL: tl.constexpr):
-    _after_previous_kernel(PDL)
+    after_previous_kernel(PDL)
     _combine_splits(part_ml_ptr, part_acc_ptr, out_ptr, tl.program_id(0), D, SPLITS)
 
 
@@ -629,7 +538,7 @@ def _norm_linear_attention_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_p
         split = attention % SPLITS
         lo, hi, kr, kp, v, valid = _first_kv_block(k_ptr, v_ptr, block_table_ptr, bt_stride, seq_lens_ptr, b, h,
                                                    split, H, H, D, HALF, PAGE, KV_BLOCK, SPLITS)
-        _after_previous_kernel(PDL)
+        after_previous_kernel(PDL)
         arrived = tl.atomic_add(sync_ptr + h * ARRIVAL_STRIDE, 0, sem="acquire")
         while arrived < ARRIVALS:
             arrived = tl.atomic_add(sync_ptr + h * ARRIVAL_STRIDE, 0, sem="acquire")
@@ -652,20 +561,20 @@ def _norm_linear_attention_kernel(x_ptr, x_stride, g_ptr, b_ptr, w1_ptr, bias1_p
         tile = tl.where(columns < QKV_PROGRAMS, (part // per_part) * H * per_part + head * per_part
                         + part % per_part, columns)
         first, offs_n, w_first = _columns_and_first_tile(tile, w1_ptr, w2_ptr, N1, K, BLOCK_N, BLOCK_K)
-        _after_previous_kernel(PDL)
+        after_previous_kernel(PDL)
         offs_m = tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
-        mean, rstd = _row_stats(x_ptr, x_stride, offs_m, m_mask, K, eps, BLOCK_M, STATS_K)
+        mean, rstd = row_stats(x_ptr, x_stride, offs_m, m_mask, K, eps, BLOCK_M, STATS_K)
         if first:  # (names differ from the attention branch's: Triton types a name once per function)
             cols = _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w1_ptr, w_first, bias1_ptr, offs_n,
                                      offs_m, m_mask, K, False, BLOCK_M, BLOCK_N, BLOCK_K, False, "ieee")
-            _store_columns(qkv_ptr, cols, offs_m, m_mask, offs_n, N1)
+            store_columns(qkv_ptr, cols, offs_m, m_mask, offs_n, N1)
             tl.debug_barrier()  # every thread's columns are stored before the count says so
             tl.atomic_add(sync_ptr + head * ARRIVAL_STRIDE, 1, sem="release")
         else:
             cols = _norm_linear_part(x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, w2_ptr, w_first, bias2_ptr, offs_n,
                                      offs_m, m_mask, K, True, BLOCK_M, BLOCK_N, BLOCK_K, False, "ieee")
-            _store_columns(out2_ptr, cols, offs_m, m_mask, offs_n, N2)
+            store_columns(out2_ptr, cols, offs_m, m_mask, offs_n, N2)
 
 
 def context_splits(batch: int, n_heads: int, sms: int = 132) -> int:
@@ -694,10 +603,10 @@ def rotary_paged_attention(qkv, cos, sin, k_cache, v_cache, block_tables, seq_le
     _rotary_paged_attention_kernel[(bsz, n_heads, splits)](
         qkv, qkv.stride(0), cos, sin, k_cache, v_cache, block_tables, seq_lens, slots, out, part_ml, part_acc,
         block_tables.stride(0), dim ** -0.5, H=n_heads, HKV=hkv, D=dim, HALF=half, PAGE=page_size,
-        BLOCK_N=ATTENTION_KV_BLOCK, SPLITS=splits, num_warps=4, **_pdl(qkv.device, bsz))
+        BLOCK_N=ATTENTION_KV_BLOCK, SPLITS=splits, num_warps=4, **pdl_launch(qkv.device, bsz))
     if splits > 1:
         _combine_splits_kernel[(bsz * n_heads,)](part_ml, part_acc, out, D=dim, SPLITS=splits, num_warps=1,
-                                                 **_pdl(qkv.device, bsz))
+                                                 **pdl_launch(qkv.device, bsz))
     return out
 
 
@@ -737,9 +646,9 @@ def norm_linear_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, fc1_weigh
         x, x.stride(0), ln_weight, ln_bias, qkv_weight, qkv_bias, qkv, fc1_weight, fc1_bias, out2, m, LN_EPS, cos, sin,
         k_cache, v_cache, block_tables, block_tables.stride(0), seq_lens, slots, out, part_ml, part_acc, sync,
         dim ** -0.5, K=k, N1=n1, N2=n2, H=n_heads, D=dim, HALF=half, PAGE=page_size, KV_BLOCK=ONE_KERNEL_KV_BLOCK,
-        SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=_stats_chunk(k, block_m),
+        SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STATS_K=stats_chunk(k, block_m),
         FC1_FIRST=min(ONE_KERNEL_FC1_FIRST, n2 // block_n), ARRIVAL_STRIDE=ARRIVAL_STRIDE, num_warps=warps,
-        num_stages=stages, **_pdl(x.device, m))
+        num_stages=stages, **pdl_launch(x.device, m))
     return out, out2
 
 
@@ -766,7 +675,7 @@ def embed_rows(tokens, table, given, previous=None):
     FED_BACK (the token the step before chose, still on the GPU), or given[b] where tokens[b] is -1.
     tokens and previous [B] int32, table [V, D] and given [B, D] contiguous -> [B, D]."""
     (b,), d = tokens.shape, table.shape[1]
-    block = _power_of_two_chunk(d, 1024)
+    block = power_of_two_chunk(d, 1024)
     assert table.is_contiguous() and given.is_contiguous() and given.shape == (b, d) and d % block == 0
     out = torch.empty(b, d, device=table.device, dtype=table.dtype)
     _embed_rows_kernel[(b, d // block)](tokens, tokens if previous is None else previous, table, given, out, D=d,

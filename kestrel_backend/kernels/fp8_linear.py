@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import decode_kernels
+from . import shared
 
 E4M3_MAX = 448.0
 
@@ -121,7 +121,7 @@ def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: torch
     block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32  # (the full-size encoder's 1152: 128)
     if tma is None:
         tma = x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    block_m, block_n, warps, stages = _blocks(n, decode_kernels._small_shared_memory(x.device))
+    block_m, block_n, warps, stages = _blocks(n, shared.small_shared_memory(x.device))
     if accumulate is not None:
         assert accumulate.shape == (m, n) and accumulate.is_contiguous()
         out = accumulate

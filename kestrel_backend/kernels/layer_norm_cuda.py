@@ -12,8 +12,8 @@ absorbs: values keep their 3 mantissa bits down to 2^-6 of the scale's 448."""
 import torch
 import triton
 import triton.language as tl
+from .shared import fp8_rows
 
-from .moe_kernels import _fp8_rows
 
 
 @triton.jit
@@ -37,7 +37,7 @@ def _shifted_layer_norm_kernel(x_ptr, shift_ptr, w_ptr, b_ptr, out_ptr, scale_pt
         length = 1.0625 * tl.sqrt(tl.sum(tl.where(mask, y * y, 0.0), 1))
         tl.store(bound_ptr + rows, tl.maximum(bound_w * length + bound_b, 0.17) / 448.0, mask=rows < rows_total)
     if QUANTIZE:  # (per row: y = e4m3 * scale)
-        y, scale = _fp8_rows(tl.where(mask, y, 0.0))
+        y, scale = fp8_rows(tl.where(mask, y, 0.0))
         tl.store(scale_ptr + rows, scale, mask=rows < rows_total)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .shared import dot_precision, gelu_tanh
 
-from .decode_kernels import _gelu_tanh
 
 
 def segments(slots: list[int], n: int | None = None) -> tuple[list[int], list[int], list[int]]:
@@ -132,7 +132,7 @@ def _lora_expand_in_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, v_ptr, v_stride
                         other=0.0)
             y = tl.dot(v.to(b.dtype), tl.trans(b), tl.load(ptrs, mask=mask, other=0.0).to(tl.float32),
                        input_precision=PRECISION)
-            y = tl.where(mask, _gelu_tanh(y), 0.0).to(ptrs.dtype.element_ty)  # (fc2 and its shrink read it so)
+            y = tl.where(mask, gelu_tanh(y), 0.0).to(ptrs.dtype.element_ty)  # (fc2 and its shrink read it so)
             tl.store(ptrs, y, mask=mask)
             part = tl.dot(y, tl.trans(a2), input_precision=PRECISION)  # [16, R]
             tl.atomic_add(v_ptr + rows[:, None] * v_stride + 3 * R + offs_r[None, :], part,
@@ -179,10 +179,6 @@ def _segment_programs(slots: torch.Tensor, ranks: torch.Tensor) -> int:
     return min(slots.shape[0], ranks.shape[0])
 
 
-def _precision(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"  # (float32: exact products, as the torch path)
-
-
 def lora_shrink(h: torch.Tensor, a_h: torch.Tensor, segs, ranks: torch.Tensor, v: torch.Tensor) -> None:
     """v[:, :3R] += h @ A^T of qkv, proj and fc1 (a_h [slots, 3R, K]), each row through its segment's adapter.
     v: [B, 4R] float32, zeroed by the caller; its last R columns are fc2's (lora_expand_in fills them)."""
@@ -191,7 +187,7 @@ def lora_shrink(h: torch.Tensor, a_h: torch.Tensor, segs, ranks: torch.Tensor, v
     assert h.shape[1] == k and k % SHRINK_BLOCK_K == 0 and v.shape[1] == 4 * r
     _lora_shrink_kernel[(_segment_programs(slots, ranks), 3, k // SHRINK_BLOCK_K)](
         h, h.stride(0), a_h, rows, starts, slots, ranks, v, v.stride(0), K=k, R=r, GROUPS=3, BLOCK_K=SHRINK_BLOCK_K,
-        PRECISION=_precision(h), num_warps=4)
+        PRECISION=dot_precision(h), num_warps=4)
 
 
 def lora_expand_in(qkv: torch.Tensor, f: torch.Tensor, v: torch.Tensor, b_qkv: torch.Tensor, b_fc1: torch.Tensor,
@@ -203,7 +199,7 @@ def lora_expand_in(qkv: torch.Tensor, f: torch.Tensor, v: torch.Tensor, b_qkv: t
     blocks = triton.cdiv(nq, EXPAND_IN_BLOCK_N) + triton.cdiv(nf, EXPAND_IN_BLOCK_N)
     _lora_expand_in_kernel[(_segment_programs(slots, ranks), blocks)](
         qkv, qkv.stride(0), f, f.stride(0), v, v.stride(0), b_qkv, b_fc1, a_fc2, rows, starts, slots, ranks, NQ=nq,
-        NF=nf, R=r, BLOCK_N=EXPAND_IN_BLOCK_N, PRECISION=_precision(qkv), num_warps=4)
+        NF=nf, R=r, BLOCK_N=EXPAND_IN_BLOCK_N, PRECISION=dot_precision(qkv), num_warps=4)
 
 
 def lora_expand_out(x: torch.Tensor, v: torch.Tensor, b_proj: torch.Tensor, b_fc2: torch.Tensor, segs,
@@ -213,4 +209,4 @@ def lora_expand_out(x: torch.Tensor, v: torch.Tensor, b_proj: torch.Tensor, b_fc
     rows, starts, slots = segs
     _lora_expand_out_kernel[(_segment_programs(slots, ranks), triton.cdiv(n, EXPAND_OUT_BLOCK_N))](
         x, x.stride(0), v, v.stride(0), b_proj, b_fc2, rows, starts, slots, ranks, N=n, R=r,
-        BLOCK_N=EXPAND_OUT_BLOCK_N, PRECISION=_precision(x), num_warps=4)
+        BLOCK_N=EXPAND_OUT_BLOCK_N, PRECISION=dot_precision(x), num_warps=4)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .moe_lora import ExpertLora, pair_delta
+from .shared import fp8_rows
 
 # MoE, what these kernels read of a layer's experts, is a Protocol at the end of this file (model.weights.MoE has it;
 # model/ imports this module, not the other way round). It sits there so that no kernel's line moves.
@@ -240,20 +241,12 @@ def _gated_gelu_kernel(h_ptr, act_ptr, P, I: tl.constexpr, BLOCK_P: tl.constexpr
 
 
 @triton.jit
-def _fp8_rows(x):
-    """Rows of x [R, C] (float32) as FP8 (e4m3) values and a float32 scale a row: the row's largest
-    magnitude over 448, e4m3's largest value."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-    return (x / scale[:, None]).to(tl.float8e4nv), scale
-
-
-@triton.jit
 def _gated_gelu_fp8_kernel(h_ptr, act_ptr, scale_ptr, P, I: tl.constexpr, I_P2: tl.constexpr, BLOCK_P: tl.constexpr):
     """_gated_gelu_kernel's rows in FP8 with a float32 scale a row (the second GEMM of the W8A8 path)."""
     rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.arange(0, I_P2)
     act, mask = _gated_gelu_tile(h_ptr, rows, cols, P, I)
-    values, scale = _fp8_rows(act)
+    values, scale = fp8_rows(act)
     tl.store(act_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], values, mask=mask)
     tl.store(scale_ptr + rows, scale, mask=rows < P)
 
@@ -268,7 +261,7 @@ def _gather_fp8_kernel(x_ptr, x_stride, order_ptr, out_ptr, scale_ptr, P, K: tl.
     mask = r_mask[:, None] & (cols < K)[None, :]
     token = (tl.load(order_ptr + rows, mask=r_mask, other=0) // TOP_K).to(tl.int64)
     x = tl.load(x_ptr + token[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    values, scale = _fp8_rows(x)
+    values, scale = fp8_rows(x)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], values, mask=mask)
     tl.store(scale_ptr + rows, scale, mask=r_mask)
 

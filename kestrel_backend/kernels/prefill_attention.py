@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import decode_kernels
+from . import shared
 
 # query rows and key rows per tile, warps, pipeline stages (H100, 1 / 4 / 16 prefills of 742 tokens: 27.7 / 90.6 /
 # 312 us per layer, 33.6 / 110 / 390 with every key tile masked; 128-row tiles, 8 warps, 128 keys a tile or 2 to 4
@@ -114,7 +114,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, slots, work, context) -> torch.
     assert q.stride(1) == k.stride(1) == v.stride(1) == d and k_cache.is_contiguous() and v_cache.is_contiguous()
     out = torch.empty(t, h, d, device=q.device, dtype=q.dtype)
     context_block = CONTEXT_BLOCK_N
-    if q.dtype == torch.float32 and decode_kernels._small_shared_memory(q.device):
+    if q.dtype == torch.float32 and shared.small_shared_memory(q.device):
         context_block = SMALL_SHARED_MEMORY_FP32_CONTEXT_BLOCK_N
     _prefill_attention_kernel[(work.numel() // WORK_FIELDS, h)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), out, k_cache, v_cache, slots, context, work,

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from .packed import PackedWeight
-from .decode_kernels import (GEMV_MAX_ROWS, LN_EPS, _after_previous_kernel, _gelu_tanh, _input_chunk, _mac, _pdl,
-                             _precision, _row_stats, _stats_chunk, _store_columns)
+from .decode_kernels import GEMV_MAX_ROWS, pdl_launch
+from .shared import LN_EPS, after_previous_kernel, dot_precision, gelu_tanh, input_chunk, mac, row_stats, stats_chunk, store_columns
 
 
 # Triton's interpreter (the CPU tests) truncates float32 to bf16 where the GPU rounds to nearest even, as torch
@@ -73,11 +73,11 @@ def _w4_matmul(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p_ptr, s_ptr, z_p
     b, s, z = _packed_load(p_ptr, s_ptr, z_ptr, offs_n, 0, K, BLOCK_K, GROUP, WHOLE)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         b_next, s_next, z_next = _packed_load(p_ptr, s_ptr, z_ptr, offs_n, k0, K, BLOCK_K, GROUP, WHOLE)
-        x = _input_chunk(x_ptr, x_stride, offs_m, m_mask, k0 - BLOCK_K, BLOCK_K, mean, rstd, g_ptr, b_ptr, dtype)
-        acc = _mac(acc, x, _dequantized(b, s, z, BLOCK_K, GROUP, WHOLE).to(dtype), USE_DOT, PRECISION)
+        x = input_chunk(x_ptr, x_stride, offs_m, m_mask, k0 - BLOCK_K, BLOCK_K, mean, rstd, g_ptr, b_ptr, dtype)
+        acc = mac(acc, x, _dequantized(b, s, z, BLOCK_K, GROUP, WHOLE).to(dtype), USE_DOT, PRECISION)
         b, s, z = b_next, s_next, z_next
-    x = _input_chunk(x_ptr, x_stride, offs_m, m_mask, K - BLOCK_K, BLOCK_K, mean, rstd, g_ptr, b_ptr, dtype)
-    return _mac(acc, x, _dequantized(b, s, z, BLOCK_K, GROUP, WHOLE).to(dtype), USE_DOT, PRECISION)
+    x = input_chunk(x_ptr, x_stride, offs_m, m_mask, K - BLOCK_K, BLOCK_K, mean, rstd, g_ptr, b_ptr, dtype)
+    return mac(acc, x, _dequantized(b, s, z, BLOCK_K, GROUP, WHOLE).to(dtype), USE_DOT, PRECISION)
 
 
 @triton.jit
@@ -200,23 +200,23 @@ def _w4_norm_linear_kernel(x_ptr, x_stride, g_ptr, b_ptr, p1_ptr, s1_ptr, z1_ptr
     pid = tl.program_id(0)
     first = pid < N1 // BLOCK_N
     offs_n = tl.where(first, pid, pid - N1 // BLOCK_N) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _after_previous_kernel(PDL)
+    after_previous_kernel(PDL)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    mean, rstd = _row_stats(x_ptr, x_stride, offs_m, m_mask, K, eps, BLOCK_M, STATS_K)
+    mean, rstd = row_stats(x_ptr, x_stride, offs_m, m_mask, K, eps, BLOCK_M, STATS_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if first:
         acc = _w4_product(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p1_ptr, s1_ptr, z1_ptr, offs_m, m_mask,
                           offs_n, K, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION, FACTORED)
         acc += tl.load(bias1_ptr + offs_n).to(tl.float32)[None, :]
-        _store_columns(out1_ptr, acc, offs_m, m_mask, offs_n, N1)
+        store_columns(out1_ptr, acc, offs_m, m_mask, offs_n, N1)
     else:
         acc = _w4_product(acc, x_ptr, x_stride, mean, rstd, g_ptr, b_ptr, p2_ptr, s2_ptr, z2_ptr, offs_m, m_mask,
                           offs_n, K, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION, FACTORED)
         acc += tl.load(bias2_ptr + offs_n).to(tl.float32)[None, :]
         if GELU2:
-            acc = _gelu_tanh(acc)
-        _store_columns(out2_ptr, acc, offs_m, m_mask, offs_n, N2)
+            acc = gelu_tanh(acc)
+        store_columns(out2_ptr, acc, offs_m, m_mask, offs_n, N2)
 
 
 @triton.jit
@@ -226,7 +226,7 @@ def _w4_linear2_residual_kernel(a_ptr, a_stride, p1_ptr, s1_ptr, z1_ptr, c_ptr, 
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                                 PRECISION: tl.constexpr, FACTORED: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _after_previous_kernel(PDL)
+    after_previous_kernel(PDL)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -236,7 +236,7 @@ def _w4_linear2_residual_kernel(a_ptr, a_stride, p1_ptr, s1_ptr, z1_ptr, c_ptr, 
                       K2, GROUP, WHOLE, BLOCK_K, USE_DOT, PRECISION, FACTORED)
     res = tl.load(res_ptr + offs_m[:, None] * res_stride + offs_n[None, :], mask=m_mask[:, None], other=0.0)
     acc += res.to(tl.float32) + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
-    _store_columns(out_ptr, acc, offs_m, m_mask, offs_n, N)
+    store_columns(out_ptr, acc, offs_m, m_mask, offs_n, N)
 
 
 @triton.jit
@@ -296,8 +296,8 @@ def w4_norm_linear(x: torch.Tensor, ln_weight, ln_bias, w1: PackedWeight, bias1,
                                  bias1, out1, _weight_bytes(w2, factored), w2.scale, w2.zero, bias2, out2, m, LN_EPS,
                                  K=k, N1=n1, N2=n2, GROUP=w1.group, WHOLE=_whole_groups(block_k, w1.group, k),
                                  GELU2=gelu2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                 STATS_K=_stats_chunk(k, block_m), USE_DOT=use_dot, PRECISION=_precision(x),
-                                 FACTORED=factored, num_warps=warps, num_stages=stages, **_pdl(x.device, m))
+                                 STATS_K=stats_chunk(k, block_m), USE_DOT=use_dot, PRECISION=dot_precision(x),
+                                 FACTORED=factored, num_warps=warps, num_stages=stages, **pdl_launch(x.device, m))
     return out1, out2
 
 
@@ -318,8 +318,8 @@ def w4_linear2_residual(a: torch.Tensor, w1: PackedWeight, c: torch.Tensor, w2: 
                                       bias, out, m, K1=w1.shape[1], K2=w2.shape[1], N=n, GROUP=w1.group,
                                       WHOLE=_whole_groups(block_k, w1.group, w1.shape[1], w2.shape[1]),
                                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
-                                      PRECISION=_precision(a), FACTORED=factored, num_warps=warps,
-                                      num_stages=stages, **_pdl(a.device, m))
+                                      PRECISION=dot_precision(a), FACTORED=factored, num_warps=warps,
+                                      num_stages=stages, **pdl_launch(a.device, m))
     return out
 
 
