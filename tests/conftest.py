@@ -1,4 +1,7 @@
+import json
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -158,3 +161,20 @@ def gateway(triton_server, tmp_path_factory):
                        env={"KESTREL_GATEWAY_API_KEYS": f"{GATEWAY_KEY}, other-key"})
     yield g
     g.stop()
+
+
+def http_request(url: str, path: str, body=None, headers=None, method=None, raw: bytes | None = None):
+    """(status, parsed JSON or None, headers) of one HTTP request."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    r = urllib.request.Request(url + path, data=data, method=method,
+                               headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(r, timeout=120) as response:
+            text = response.read()
+            status, head = response.status, response.headers
+    except urllib.error.HTTPError as e:
+        text, status, head = e.read(), e.code, e.headers
+    try:
+        return status, json.loads(text), head
+    except ValueError:
+        return status, None, head

@@ -12,7 +12,7 @@ from pathlib import Path
 import moondream
 import openai
 import pytest
-from conftest import GATEWAY_KEY
+from conftest import GATEWAY_KEY, http_request
 from moondream.types import Base64EncodedImage
 from test_triton_server import idle_metrics
 
@@ -48,15 +48,8 @@ def grpc(triton_server):
 
 
 def post(gateway, path: str, body, key: str | None = GATEWAY_KEY, raw: bytes | None = None):
-    """(status, JSON body, headers) of a POST."""
-    headers = {"Content-Type": "application/json", **({"X-Moondream-Auth": key} if key else {})}
-    request = urllib.request.Request(gateway.url + path, data=raw if raw is not None else json.dumps(body).encode(),
-                                     headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read()), response.headers
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), e.headers
+    """(status, JSON body, headers) of a POST with the key."""
+    return http_request(gateway.url, path, body, {"X-Moondream-Auth": key} if key else None, raw=raw)
 
 
 def test_every_moondream_method_of_the_official_client_equals_grpc(md, image, png, grpc):

@@ -18,29 +18,13 @@ from pathlib import Path
 
 import pytest
 from conftest import GATEWAY_KEY, GatewayProcess, TritonProcess
+from conftest import http_request as request  # (status, JSON or None, headers)
 
 from client import MoondreamClient
 
 TINY = Path(__file__).parent / "fixtures" / "md2-tiny"
 PNG = (TINY / "images" / "small.png").read_bytes()
 HUGE = 30 * 2**20  # characters: under the gateway's 32 MB body limit
-
-
-def request(url: str, path: str, body=None, headers=None, method=None, raw: bytes | None = None):
-    """(status, parsed JSON or None, headers) of one HTTP request."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    r = urllib.request.Request(url + path, data=data, method=method,
-                               headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(r, timeout=120) as response:
-            text = response.read()
-            status, head = response.status, response.headers
-    except urllib.error.HTTPError as e:
-        text, status, head = e.read(), e.code, e.headers
-    try:
-        return status, json.loads(text), head
-    except ValueError:
-        return status, None, head
 
 
 KEY = {"X-Moondream-Auth": GATEWAY_KEY}
