@@ -47,35 +47,44 @@ print(time.perf_counter() - t)
 """
 
 
-def _huge_beside_small(grpc: str, model: str) -> tuple[float, float, str]:
-    """A 30 MB question sent by another process while this one sends 2-token queries: (its time to the answer, the
-    longest query meanwhile, its answer)."""
-    small = MoondreamClient(grpc, timeout=60)
-    sender = subprocess.Popen([sys.executable, "-c", HUGE_SENDER, grpc, model, str(HUGE)], stdout=subprocess.PIPE,
-                              text=True, cwd=Path(__file__).parents[1])
+def _huge_beside_small(sender: list[str], small) -> tuple[float, float, str]:
+    """A 30 MB question sent by another process (python -c *sender) while this one makes small requests (small()):
+    (its time to the answer, the longest small request meanwhile, its answer)."""
+    process = subprocess.Popen([sys.executable, "-c", *sender], stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).parents[1])
     longest = 0.0
-    while sender.poll() is None:
-        t = time.perf_counter()
-        small.query("Hi?", settings={"max_tokens": 2, "temperature": 0})
-        longest = max(longest, time.perf_counter() - t)
-    *answer, took = sender.communicate()[0].strip().splitlines()
+    while process.poll() is None:
+        longest = max(longest, _timed(small))
+    *answer, took = process.communicate()[0].strip().splitlines()
     return float(took), longest, " ".join(answer)
 
 
-def test_a_30_mb_question_is_refused_at_once_and_stalls_no_one_over_grpc(triton_server):
-    """Against the same 30 MB sent to a model name tritonserver refuses at its door (the transport's own cost on this
-    machine): the engine's refusal adds under 100 ms, and a query sent meanwhile waits under 50 ms longer. Up to six
-    rounds, until one shows both (the other xdist worker shares the two CPUs; tokenizing 30 MB took 11 s, every
-    round)."""
+def _refused_at_once_and_stalling_no_one(huge, refused_at_the_door: str, served: str, check) -> None:
+    """huge(model) sends the 30 MB beside small requests (_huge_beside_small). Against the same sent to a model
+    refused at the door (the transport's own cost on this machine), the refusal adds under 100 ms and a small request
+    meanwhile waits under 50 ms longer: up to six rounds, until one shows both (the other xdist worker shares the two
+    CPUs). check(door's answer, the answer) asserts what each said."""
     extra = []
     for _ in range(6):
-        transport, stalled_by_transport, _ = _huge_beside_small(triton_server.grpc, "no-such-model")
-        took, stalled, answer = _huge_beside_small(triton_server.grpc, "moondream")
-        assert "QUESTION is too long" in answer, answer
+        transport, stalled_by_transport, refused = huge(refused_at_the_door)
+        took, stalled, answer = huge(served)
+        check(refused, answer)
         extra.append((took - transport, stalled - stalled_by_transport))
         if extra[-1][0] < 0.1 and extra[-1][1] < 0.05:
             return
     raise AssertionError(f"no round refused in under 100 ms and stalled a query under 50 ms: {extra}")
+
+
+def test_a_30_mb_question_is_refused_at_once_and_stalls_no_one_over_grpc(triton_server):
+    """Against a model name tritonserver refuses at its door (tokenizing 30 MB took 11 s, every round)."""
+    small = MoondreamClient(triton_server.grpc, timeout=60)
+
+    def check(refused, answer):
+        assert "QUESTION is too long" in answer, answer
+    _refused_at_once_and_stalling_no_one(
+        lambda model: _huge_beside_small([HUGE_SENDER, triton_server.grpc, model, str(HUGE)],
+                                         lambda: small.query("Hi?", settings={"max_tokens": 2, "temperature": 0})),
+        "no-such-model", "moondream", check)
 
 
 GATEWAY_HUGE_SENDER = """
@@ -91,30 +100,15 @@ print(time.perf_counter() - t)
 """
 
 
-def _huge_beside_small_through_the_gateway(url: str, model: str) -> tuple[float, float, str]:
-    """As _huge_beside_small, through the gateway's HTTP door."""
-    sender = subprocess.Popen([sys.executable, "-c", GATEWAY_HUGE_SENDER, url, model, str(HUGE), GATEWAY_KEY],
-                              stdout=subprocess.PIPE, text=True)
-    longest = 0.0
-    while sender.poll() is None:
-        longest = max(longest, _timed(lambda: request(url, "/v1/query", SMALL, KEY)))
-    *answer, took = sender.communicate()[0].strip().splitlines()
-    return float(took), longest, " ".join(answer)
-
-
 def test_a_30_mb_question_is_refused_at_once_and_stalls_no_one_through_the_gateway(gateway):
-    """As over gRPC, against the same 30 MB sent for a model the gateway refuses once it has read the body (the
-    upload's and the JSON's own cost): the engine's refusal adds under 100 ms, a query meanwhile waits under 50 ms
-    longer."""
-    extra = []
-    for _ in range(6):
-        transport, stalled_by_transport, refused = _huge_beside_small_through_the_gateway(gateway.url, "no-such-model")
-        took, stalled, answer = _huge_beside_small_through_the_gateway(gateway.url, "moondream2")
+    """As over gRPC, against a model the gateway refuses once it has read the body (the upload's and the JSON's own
+    cost)."""
+    def check(refused, answer):
         assert refused.startswith("404") and answer.startswith("400") and "too long" in answer, (refused, answer)
-        extra.append((took - transport, stalled - stalled_by_transport))
-        if extra[-1][0] < 0.1 and extra[-1][1] < 0.05:
-            return
-    raise AssertionError(f"no round refused in under 100 ms and stalled a query under 50 ms: {extra}")
+    _refused_at_once_and_stalling_no_one(
+        lambda model: _huge_beside_small([GATEWAY_HUGE_SENDER, gateway.url, model, str(HUGE), GATEWAY_KEY],
+                                         lambda: request(gateway.url, "/v1/query", SMALL, KEY)),
+        "no-such-model", "moondream2", check)
 
 
 def _timed(fn) -> float:
