@@ -189,7 +189,8 @@ class InferenceEngine:
         cached = s.prefixes.idle_pages  # held by the prefix cache alone: taken back when admission needs them
         return {"pages_total": self.kv.num_pages, "pages_used": self.kv.pages_used - cached, "pages_cached": cached,
                 "pages_free": self.kv.pages_free, "prefix_hits": s.prefix_hits,
-                "queue_depth": self._queue_depth, "images_decoding": len(self._decoding), "running": len(s.running), "draining": int(self.draining),
+                "queue_depth": self._queue_depth, "images_decoding": len(self._decoding), "running": len(s.running),
+                "draining": int(self.draining),
                 "images_encoded": s.images_encoded, "images_cached": len(self.images), "steps": s.steps,
                 "step_phase_seconds": dict(s.phase_s)}
 
@@ -289,11 +290,10 @@ class InferenceEngine:
 
     def _check_served(self, skill: str) -> None:
         """A skill that needs a tokenizer template the loaded model lacks (segment: Moondream 3's) is refused."""
-        template = SKILLS[skill].template
-        if template is not None and template not in self.model.config.tokenizer.templates:
-            families = "Moondream 3" if template == "segment" else f"a model with the {template!r} template"
+        spec = SKILLS[skill]
+        if spec.template is not None and spec.template not in self.model.config.tokenizer.templates:
             raise InvalidRequest(f"SKILL {skill} is not supported by {self.model.name}, the loaded model: {skill} "
-                                 f"needs {families}")
+                                 f"needs {spec.models}")
 
     @staticmethod
     def _need_image(image) -> bytes:
@@ -340,7 +340,7 @@ class InferenceEngine:
         arrived = REQUEST_ARRIVAL.get() or time.perf_counter()  # TTFT counts from here (image decode, admission waits)
         delivery = Delivery(asyncio.get_running_loop(), stream)
         admit = self._accept(skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived, object_text,
-                            later_images)
+                             later_images)
         admitted = False
         try:
             if delivery.loop is self.loop:  # a caller on the engine loop (the Triton adapter): no hop between loops
@@ -358,7 +358,7 @@ class InferenceEngine:
             raise
 
     async def _accept(self, skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived: float,
-                     object_text: str = "", later_images=()) -> None:
+                      object_text: str = "", later_images=()) -> None:
         """Runs on the engine loop: bounded queue, image decode (off-thread), adapter, context check. later_images:
         a conversation's other images, (bytes, index of their rows in ids)."""
         if self.draining:
@@ -395,13 +395,13 @@ class InferenceEngine:
             prefix = self.model.config.text.prefix_attn if key is not None else 0
             prompt_len = prefix + len(ids)
             if prompt_len >= self.max_context:
-                field = SKILLS[skill].wire_input() if SKILLS[skill].text_required else "prompt"
-                if field == "MESSAGES":
+                if SKILLS[skill].text == "messages":
                     raise InvalidRequest(f"MESSAGES: the conversation needs {prompt_len} positions with its images, "
                                          f"more than the model's context of {self.max_context}; send fewer or "
                                          "shorter turns")
+                field = SKILLS[skill].wire_input() if SKILLS[skill].text_required else "prompt"
                 raise InvalidRequest(f"{field} is too long: {prompt_len} tokens with the image, context is {self.max_context}")
-            capacity = min(self.max_context, prompt_len + _new_positions(skill, settings, reasoning))
+            capacity = min(self.max_context, prompt_len + _new_positions(gen, settings, reasoning))
             if self.kv.pages_for(capacity) > self.kv.num_pages:
                 raise InvalidRequest(f"request needs {self.kv.pages_for(capacity)} KV pages, the cache has {self.kv.num_pages}")
             if settings.adapter is not None:
@@ -468,10 +468,8 @@ def _chaos(scheduler: Scheduler, after: int):
     return fail_late_steps
 
 
-def _new_positions(skill: str, settings: Settings, reasoning: bool) -> int:
+def _new_positions(gen: Generation, settings: Settings, reasoning: bool) -> int:
     """KV positions a request can write after its prompt (reserved up front: no preemption)."""
-    if skill == "point":
-        return 2 * settings.max_objects
-    if skill == "detect":
-        return 3 * settings.max_objects
+    if isinstance(gen, RegionGeneration):  # x, y (and the size) of each object
+        return (3 if gen.with_size else 2) * settings.max_objects
     return settings.max_tokens * (2 if reasoning else 1) + 1

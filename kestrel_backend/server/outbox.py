@@ -13,8 +13,8 @@ holding the GIL (the stub then never finishes finalize(), tritonserver waits out
 stub behind). So a metric update is only made while tritonserver is sure to answer: while some request is in flight
 (it unloads no model with requests in flight). A request's own metrics run just before its final response
 (Outgoing.before; the last request in flight also carries the engine's gauges), and every update stops once the
-server is seen stopping (stop_metrics). (A stop after a busy session can still hang before the unload begins;
-that is another cause, not this one.)
+server is seen stopping (stop_metrics). (The other hang seen at a stop, a gRPC stream cancelled just as it ended,
+is the gateway's to avoid: gateway/upstream.py.)
 """
 
 from __future__ import annotations

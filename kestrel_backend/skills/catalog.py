@@ -25,6 +25,7 @@ class Skill:
     reasoning: bool = False  # takes REASONING
     spatial_refs: bool = False  # takes SPATIAL_REFS
     template: str | None = None  # the tokenizer template a model needs to have it; None: every model has it
+    models: str = ""  # the models that have that template, as a refusal names them
     # the Moondream API's /v1/<name> endpoint, and whether its `stream` is taken there (segment's events are made
     # from its one result); chat is served as OpenAI's /v1/chat/completions instead
     api_endpoint: bool = True
@@ -57,7 +58,7 @@ SKILLS: dict[str, Skill] = {s.name: s for s in (
     Skill("detect", "object", True, None, "required", streams=False, generation="region", result="objects"),
     Skill("point", "object", True, None, "required", streams=False, generation="region", result="points"),
     Skill("segment", "object", True, None, "required", streams=False, generation="segment", result="segments",
-          template="segment", api_streams=True),
+          template="segment", models="Moondream 3", api_streams=True),
     Skill("chat", "messages", True, None, "many", streams=True, generation="text", result="message", reasoning=True,
           api_endpoint=False),
 )}
