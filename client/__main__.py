@@ -1,5 +1,6 @@
 """python -m client SKILL --url localhost:8001 --image PATH [--stream]   (SKILL: any of the table of skills,
 kestrel_backend/skills/catalog.py: query, caption, detect, point, segment, chat)
+python -m client batch run|submit|status|wait|results|abort ...   (the gateway's Batch API: client/batch.py)
 
 chat: --messages '[{"role": "user", "content": "What is this?"}]' (the image, if given, joins the first user
 message)."""
@@ -15,6 +16,10 @@ from . import MoondreamClient, MoondreamError
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["batch"]:  # the Batch API, through the gateway (client/batch.py)
+        from .batch import main as batch_main
+        return batch_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m client")
     p.add_argument("skill", choices=list(SKILLS))
     p.add_argument("--url", default="localhost:8001")

@@ -409,7 +409,8 @@ class InferenceEngine:
             detok = IncrementalDetokenizer(self.model.tokenizer) if stream_text(skill, delivery.stream) else None
             seq = Sequence(self.next_sequence_id(), skill, ids, gen, delivery, image_key=key, cropped=cropped,
                            held_embedding=held, capacity=capacity, detok=detok, adapter=adapter,
-                           prompt_overrides=overrides, t_submit=arrived, pixels=pixels, later_images=later)
+                           prompt_overrides=overrides, t_submit=arrived, pixels=pixels, later_images=later,
+                           batch=settings.priority == "batch")
             self.scheduler.add(seq)
         except BaseException:
             if adapter is not None:

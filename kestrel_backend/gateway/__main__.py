@@ -14,6 +14,8 @@ import os
 import uvicorn
 
 from .app import GatewayConfig, create_app
+from .batch.limits import BatchLimits
+from .batch.routes import BatchConfig
 from .http_protocol import HEADER_TIMEOUT_S, HeaderDeadlineProtocol
 from .keys import ApiKeys
 from .payloads import Limits
@@ -48,6 +50,22 @@ def main(argv=None) -> None:
     p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, help="seconds for a request's headers")
     p.add_argument("--request-timeout", type=float, default=300)
     p.add_argument("--refresh-s", type=float, default=2.0, help="seconds between replica readiness checks")
+    b = p.add_argument_group("the Batch API (README: Batch jobs)")
+    b.add_argument("--batch-data", default=os.environ.get("KESTREL_BATCH_DATA"), help="the folder for uploads and "
+                   "input files (shared by every gateway of one job store); the Batch API is on when it is given")
+    b.add_argument("--batch-db", default=os.environ.get("KESTREL_BATCH_DB"), help="the job store: a SQLAlchemy URL, "
+                   "e.g. postgresql+psycopg://user:pass@host/db for several gateways (default: SQLite in the data "
+                   "folder)")
+    b.add_argument("--batch-lines-per-replica", type=int, default=BatchLimits.lines_per_replica,
+                   help="batch lines in flight at once, for each ready replica")
+    b.add_argument("--batch-retention-h", type=float, default=BatchLimits.retention_s / 3600, help="hours a "
+                   "finished job's results are kept")
+    b.add_argument("--batch-max-disk-gb", type=float, default=BatchLimits.max_disk_bytes / 2**30,
+                   help="the data folder's bound: uploads past it are refused")
+    b.add_argument("--batch-max-part-mb", type=float, default=BatchLimits.max_part_bytes / 2**20)
+    b.add_argument("--batch-max-lines", type=int, default=BatchLimits.max_lines)
+    b.add_argument("--batch-lease-s", type=float, default=BatchLimits.lease_s, help="seconds after which the lines "
+                   "of a gateway that stopped renewing them (it died) go to another")
     a = p.parse_args(argv)
     if not (a.triton or a.triton_dns or a.triton_file):
         p.error("name at least one tritonserver: --triton host:port, --triton-file or --triton-dns name:port")
@@ -58,7 +76,12 @@ def main(argv=None) -> None:
         api_keys=ApiKeys.load(os.environ, a.api_keys_file),
         limits=Limits(int(a.max_body_mb * 2**20), int(a.max_image_mb * 2**20), a.fetch_image_urls, a.fetch_timeout,
                       tuple(a.fetch_allow), a.body_timeout, a.max_text_chars),
-        request_timeout_s=a.request_timeout)
+        request_timeout_s=a.request_timeout,
+        batch=None if not a.batch_data else BatchConfig(a.batch_data, a.batch_db, BatchLimits(
+            max_part_bytes=int(a.batch_max_part_mb * 2**20), max_lines=a.batch_max_lines,
+            retention_s=a.batch_retention_h * 3600, max_disk_bytes=int(a.batch_max_disk_gb * 2**30),
+            lines_per_replica=a.batch_lines_per_replica, lease_s=a.batch_lease_s,
+            heartbeat_s=min(BatchLimits.heartbeat_s, a.batch_lease_s / 3))))
     if not config.api_keys:
         logging.getLogger("kestrel.gateway").warning("no API key configured: the gateway is open to every caller "
                                                      "(keep it behind an ingress)")

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import moondream_api, openai_chat
+from .batch.routes import BatchConfig
 from .errors import ApiError
 from .keys import ApiKeys
 from .openapi import schema
@@ -38,6 +39,7 @@ class GatewayConfig:
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: open (keep it behind an ingress)
     limits: Limits = field(default_factory=Limits)
     request_timeout_s: float = 300.0
+    batch: BatchConfig | None = None  # the Batch API (--batch-data); None: its routes answer 404
 
 
 class Metrics:
@@ -55,6 +57,8 @@ class Metrics:
 def create_app(config: GatewayConfig) -> Starlette:
     metrics = Metrics()
     config.upstream.on_outcome = lambda url, outcome: metrics.upstream.labels(url, outcome).inc()
+    batch = config.batch and config.batch.service(config.upstream, config.limits, config.served,
+                                                  config.request_timeout_s, metrics.registry)
 
     def endpoint(name: str, handler, authenticated: bool = True, limited: bool = True):
         """authenticated: the caller's key is checked (where keys are set); limited: and its limits applied."""
@@ -62,7 +66,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             t0, limits, streaming = time.perf_counter(), None, False
             try:
                 try:
-                    key = config.api_keys.check(request.headers) if authenticated else None
+                    key = request.state.key = config.api_keys.check(request.headers) if authenticated else None
                     if key is not None and limited:
                         key.admit()
                         limits = key
@@ -127,10 +131,17 @@ def create_app(config: GatewayConfig) -> Starlette:
         headers = {"Allow": e.headers["Allow"]} if e.headers and "Allow" in e.headers else None
         return JSONResponse(ApiError(e.status_code, message).body(), status_code=e.status_code, headers=headers)
 
+    async def batch_off(request: Request) -> Response:
+        raise ApiError(404, "the Batch API is not enabled on this gateway (its operator starts it with --batch-data)")
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await config.upstream.start()
+        if batch is not None:
+            await batch.start()
         yield
+        if batch is not None:
+            await batch.close()
         await config.upstream.close()
 
     routes = [Route(f"/v1/{skill.name}", endpoint(skill.name, moondream), methods=["POST"])
@@ -140,9 +151,21 @@ def create_app(config: GatewayConfig) -> Starlette:
                Route("/healthz", endpoint("healthz", health, authenticated=False), methods=["GET"]),
                Route("/readyz", endpoint("readyz", ready, authenticated=False), methods=["GET"]),
                Route("/openapi.json", endpoint("openapi", openapi, authenticated=False), methods=["GET"]),
+               *_batch_routes(batch, endpoint, batch_off),
                # where keys are set, scraping needs one too (Prometheus: authorization credentials)
                Route("/metrics", endpoint("metrics", scrape, limited=False), methods=["GET"])]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+
+
+def _batch_routes(batch, endpoint, off) -> list[Route]:
+    methods = ["GET", "POST", "PUT", "DELETE"]
+    if batch is None:
+        return [Route(path, endpoint("batch", off), methods=methods)
+                for path in ("/v1/batch", "/v1/batch/{id}", "/v1/batch/{id}/results")]
+    return [Route("/v1/batch", endpoint("batch", batch.root), methods=["GET", "POST"]),
+            Route("/v1/batch/{id}", endpoint("batch", batch.one), methods=methods),
+            Route("/v1/batch/{id}/results", endpoint("batch_results", batch.results), methods=["GET"],
+                  name="batch_results")]
 
 
 async def _last(bodies, request: Request) -> dict:

@@ -11,6 +11,7 @@ limits after it (`#` starts a comment):
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
 import time
@@ -25,6 +26,7 @@ class KeyLimits:
     concurrency: int | None = None  # requests in flight at once
     rate: float | None = None  # requests a second, refilling a bucket of `burst` (rate=N/m: N a minute, N at once)
     burst: float = 1.0
+    owner: str = ""  # who the key's batch jobs belong to: a digest of the key (its jobs are only its own)
     in_flight: int = 0
     _tokens: float = field(default=0.0, repr=False)
     _last: float = field(default_factory=time.monotonic, repr=False)
@@ -67,6 +69,8 @@ class ApiKeys:
                 words = line.split("#")[0].split()
                 if words:
                     limits[words[0]] = _limits(words[1:], f"{keys_file}:{number}")
+        for key, key_limits in limits.items():
+            key_limits.owner = hashlib.sha256(key.encode()).hexdigest()[:32]
         return cls(limits)
 
     def check(self, headers) -> KeyLimits | None:

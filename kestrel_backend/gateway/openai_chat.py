@@ -17,10 +17,12 @@ from .moondream_api import Call, sse
 from .payloads import Limits, check_text_length, counting_reasoning, flag, image_field, routing_key, with_model
 
 
-async def parse(body: dict, limits: Limits, served: list[str]) -> tuple[Call, str]:
-    """-> (the call, the model name to answer with)."""
+async def parse(body: dict, limits: Limits, served: list[str], priority: str | None = None) -> tuple[Call, str]:
+    """-> (the call, the model name to answer with). priority: the engine's (settings.py; the Batch API's lines)."""
     model = body.get("model") or served[0]
     settings = counting_reasoning(with_model({"model": model}, _settings(body), served))
+    if priority is not None:
+        settings = {**(settings or {}), "priority": priority}
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")

@@ -106,7 +106,10 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
         if self._aborted is not None:  # admitted (its image decoded) after the drain deadline passed
             self._end(seq, error=self._aborted)
             return
-        self.waiting.append(seq)
+        if seq.batch:
+            self.waiting.append(seq)
+        else:  # ahead of every batch line waiting, behind the interactive requests that came before it
+            self.waiting.insert(next((i for i, s in enumerate(self.waiting) if s.batch), len(self.waiting)), seq)
         self._wake.set()
 
     def abort(self, error: EngineError) -> None:

@@ -152,6 +152,7 @@ class Sequence:
     pixels: np.ndarray | None = None  # segment's image, for its refiner
     later_images: list[LaterImage] = field(default_factory=list)
     page_keys: list[str] | None = None  # the prefix cache's keys of its prompt's whole pages (set at admission)
+    batch: bool = False  # a batch job's line: admitted after every interactive request waiting (Settings.priority)
     # filled by the scheduler
     prefix_len: int = 0
     blocks: tuple[tuple[int, int], ...] = ()  # the later images' positions [start, end): bidirectional within each

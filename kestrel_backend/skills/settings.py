@@ -12,7 +12,11 @@ DEFAULT_TEMPERATURE = 0.2
 DEFAULT_TOP_P = 0.9
 DEFAULT_MAX_TOKENS = 768
 DEFAULT_MAX_OBJECTS = 150
-KEYS = ("temperature", "top_p", "max_tokens", "max_total_tokens", "max_objects", "seed", "adapter", "variant")
+KEYS = ("temperature", "top_p", "max_tokens", "max_total_tokens", "max_objects", "seed", "adapter", "variant",
+        "priority")
+# Which waiting requests are admitted first: every interactive one before any batch one (the gateway's Batch API
+# sends its lines as batch, so a batch job fills the GPU's idle room and never holds a person's request back)
+PRIORITIES = ("interactive", "batch")
 # Adapter ids name a folder or file: letters, digits and . _ - @ (Kestrel's "<finetune_id>@<step>"), no path; they
 # may follow a model's name and a slash, as the official fine-tuning client names them (moondream3-preview/<id>@<n>)
 ADAPTER_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}/)?[A-Za-z0-9_\-@][A-Za-z0-9_.\-@]{0,127}")
@@ -33,6 +37,7 @@ class Settings:
     # reasoning and answer together (the cloud API's max_tokens, which the gateway sends as this); max_tokens alone
     # bounds each of them, as in the reference
     max_total_tokens: int | None = None
+    priority: str = "interactive"  # or "batch" (PRIORITIES)
 
     @classmethod
     def from_dict(cls, values: dict | None, max_tokens_limit: int = 2048, max_objects_limit: int = 150,
@@ -51,6 +56,7 @@ class Settings:
             max_total_tokens=None if values.get("max_total_tokens") is None else
             _integer(values, "max_total_tokens", 0, 1, 2 * max_tokens_limit),
             adapter=_adapter(values),
+            priority=_priority(values),
         )
         return s
 
@@ -84,4 +90,11 @@ def _adapter(values) -> str | None:
     if not isinstance(v, str) or not ADAPTER_ID.fullmatch(v) or ".." in v:
         raise SettingsError(f"SETTINGS: {key} must be an adapter id (letters, digits, . _ - @; at most 128), "
                             f"alone or after a model's name and a slash, got {shown(v)}")
+    return v
+
+
+def _priority(values) -> str:
+    v = values.get("priority", PRIORITIES[0])
+    if v not in PRIORITIES:
+        raise SettingsError(f"SETTINGS: priority must be one of {', '.join(PRIORITIES)}, got {shown(v)}")
     return v

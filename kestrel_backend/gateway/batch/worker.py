@@ -1,0 +1,202 @@
+"""A gateway's batch worker: it claims lines from the job store while it has room (lines_per_replica for each ready
+replica), sends each to the replica its image routes to, and records its result; it renews its leases, chunks the
+jobs it takes, and sweeps what expired. Several gateways on one store share the work; a line a dead gateway held
+returns to the pool when its lease runs out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from ..errors import ApiError
+from ..payloads import Limits
+from ..upstream import Upstream
+from .chunking import BatchFileError, split_lines
+from .files import DataFolder
+from .limits import BatchLimits
+from .lines import LineError, error_line, failed_call, line_call, ok_line
+from .store import Claim, JobStore, new_id
+
+log = logging.getLogger("kestrel.gateway.batch")
+SWEEP_S = 30.0  # expired jobs, orphaned files, chunking a dead gateway left, the jobs-by-state gauge
+IDLE_POLL_S = 1.0  # with room and no line to run, the store is asked again after this
+FULL_PAUSE_S = 1.0  # every replica refused a line (full or stopping): no new claim for this long
+
+
+class BatchMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.jobs = Gauge("kestrel_gateway_batch_jobs", "Batch jobs in the store by state", ["state"],
+                          registry=registry)
+        self.lines = Counter("kestrel_gateway_batch_lines_total", "Batch lines this gateway ran, by outcome (ok or "
+                             "the error's code)", ["outcome"], registry=registry)
+        self.rate = Gauge("kestrel_gateway_batch_lines_per_second", "Batch lines this gateway finished a second, "
+                          "over the last heartbeat", registry=registry)
+        self.in_flight = Gauge("kestrel_gateway_batch_lines_in_flight", "Batch lines this gateway is running",
+                               registry=registry)
+        self.disk = Gauge("kestrel_gateway_batch_disk_bytes", "The batch data folder's and the job store's bytes",
+                          ["where"], registry=registry)
+
+
+class BatchWorker:
+    def __init__(self, store: JobStore, folder: DataFolder, upstream: Upstream, limits: Limits, served: list[str],
+                 batch: BatchLimits, timeout_s: float, metrics: BatchMetrics):
+        self.store, self.folder, self.upstream, self.limits = store, folder, upstream, limits
+        self.served, self.batch, self.timeout_s, self.metrics = served, batch, timeout_s, metrics
+        self.holder = new_id()  # this gateway, as the store names the holder of a claim
+        self.running: dict[asyncio.Task, Claim] = {}
+        self.wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._chunking: set[asyncio.Task] = set()
+        self._paused_until = 0.0
+        self._finished_lines = 0
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(loop()) for loop in (self._claim_loop, self._heartbeat, self._sweep_loop)]
+
+    async def close(self) -> None:
+        """Stops claiming; lines in flight go back to the pool at once (another gateway, or this one started again,
+        runs them)."""
+        for task in [*self._tasks, *self._chunking, *self.running]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._chunking, *self.running, return_exceptions=True)
+
+    @property
+    def room(self) -> int:
+        ready = sum(r.ready for r in self.upstream.replicas.values())
+        return self.batch.lines_per_replica * ready - len(self.running)
+
+    async def _claim_loop(self) -> None:
+        while True:
+            claims = []
+            if self.room > 0 and time.monotonic() >= self._paused_until:
+                try:
+                    claims = await asyncio.to_thread(self.store.claim, self.holder, self.room, self.batch.lease_s)
+                except Exception:
+                    log.exception("claiming batch lines failed")
+            for claim in claims:
+                task = asyncio.create_task(self._run(claim))
+                self.running[task] = claim
+                task.add_done_callback(self._ended)
+            self.metrics.in_flight.set(len(self.running))
+            if not claims or self.room <= 0:
+                self.wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), IDLE_POLL_S)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self.running.pop(task, None)
+        self.wake.set()
+
+    async def _run(self, claim: Claim) -> None:
+        line_id = None
+        try:
+            try:
+                line = json.loads(await asyncio.to_thread(self.folder.read, claim.input_path, claim.offset,
+                                                          claim.length))
+                line_id = line.get("id")
+                call = await line_call(line, claim.model, self.limits, self.served)
+                body = await self._answer(call)
+                result = ok_line(claim.line_index, line_id, line["skill"], call.skill, body)
+            except LineError as e:
+                result = error_line(claim.line_index, line_id, e.code, e.message)
+            except ApiError as e:
+                error = failed_call(e)
+                if error is None:  # every replica full or stopping: the line runs again later
+                    self._paused_until = time.monotonic() + FULL_PAUSE_S
+                    await asyncio.to_thread(self.store.release, claim, self.holder)
+                    return
+                result = error_line(claim.line_index, line_id, error.code, error.message)
+            except OSError as e:
+                result = error_line(claim.line_index, line_id, "processing_error", f"the job's input file could not "
+                                    f"be read: {e.strerror}")
+            except Exception:
+                log.exception("batch line %s/%d failed", claim.job_id, claim.line_index)
+                result = error_line(claim.line_index, line_id, "processing_error", "internal error")
+            status = await asyncio.to_thread(self.store.finish, claim, self.holder, result, self.batch.retention_s)
+        except asyncio.CancelledError:  # the gateway stops, or the job was aborted: back to the pool
+            await asyncio.shield(asyncio.to_thread(self.store.release, claim, self.holder))
+            raise
+        self._finished_lines += 1
+        self.metrics.lines.labels(result["status"] if result["status"] == "ok" else result["error"]["code"]).inc()
+        if status is not None:
+            log.info("batch %s %s", claim.job_id, status)
+            Path(claim.input_path).unlink(missing_ok=True)  # (the cloud deletes inputs once processed, too)
+
+    async def _answer(self, call) -> dict:
+        last = None
+        async with contextlib.aclosing(self.upstream.call(call.inputs, call.key, self.timeout_s)) as bodies:
+            async for body in bodies:
+                last = body
+        if last is None:
+            raise ApiError(502, "the server ended the request without an answer")
+        return last
+
+    def chunk(self, job_id: str, input_path: str) -> None:
+        """Splits a job this gateway holds into its lines, in the background; then it is processing."""
+        task = asyncio.create_task(self._chunk(job_id, input_path))
+        self._chunking.add(task)
+        task.add_done_callback(self._chunking.discard)
+
+    async def _chunk(self, job_id: str, input_path: str) -> None:
+        try:
+            total = await asyncio.to_thread(split_lines, input_path, self.batch,
+                                            lambda spans, first: self.store.add_lines(job_id, spans, first))
+            if await asyncio.to_thread(self.store.start_processing, job_id, self.holder, total):
+                log.info("batch %s: %d lines", job_id, total)
+                self.wake.set()
+            return
+        except BatchFileError as e:
+            code, message = e.code, e.message
+        except OSError as e:
+            code, message = "processing_failed", f"the input file could not be read: {e.strerror}"
+        await asyncio.to_thread(self.store.fail_job, job_id, code, message, self.batch.retention_s)
+        Path(input_path).unlink(missing_ok=True)
+        log.info("batch %s failed: %s", job_id, message)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.batch.heartbeat_s)
+            try:
+                await asyncio.to_thread(self.store.renew, self.holder, self.batch.lease_s)
+                gone = await asyncio.to_thread(self.store.finished_since, {c.job_id for c in self.running.values()})
+                for task, claim in list(self.running.items()):
+                    if claim.job_id in gone:  # aborted (or expired): its lines in flight are not waited for
+                        task.cancel()
+            except Exception:
+                log.exception("renewing batch leases failed")
+            self.metrics.rate.set(self._finished_lines / self.batch.heartbeat_s)
+            self._finished_lines = 0
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("sweeping the batch store failed")
+            await asyncio.sleep(SWEEP_S)
+
+    async def sweep(self) -> None:
+        now = time.time()
+        for job in await asyncio.to_thread(self.store.expired, now):
+            await asyncio.to_thread(self.store.delete_job, job["id"])
+            Path(job["input_path"]).unlink(missing_ok=True)
+        for file_id in await asyncio.to_thread(self.store.stale_uploads, now - self.batch.upload_ttl_s):
+            await asyncio.to_thread(self.store.delete_upload, file_id)
+            self.folder.remove_upload(file_id)
+        in_use = await asyncio.to_thread(self.store.inputs_in_use)
+        for path in self.folder.orphan_inputs(in_use):
+            path.unlink(missing_ok=True)
+        job = await asyncio.to_thread(self.store.take_chunking, self.holder, self.batch.lease_s)
+        if job is not None:  # its gateway died while chunking it
+            self.chunk(job["id"], job["input_path"])
+        for state, count in (await asyncio.to_thread(self.store.jobs_by_state)).items():
+            self.metrics.jobs.labels(state).set(count)
+        self.metrics.disk.labels("data_folder").set(await asyncio.to_thread(self.folder.bytes_used))
+        self.metrics.disk.labels("job_store").set(await asyncio.to_thread(self.store.size_bytes) or 0)
+
