@@ -258,14 +258,14 @@ async def run_requests(url: str, images: list[bytes], concurrency: int, requests
 
 
 @contextlib.contextmanager
-def gateway(grpc_urls: list[str], port: int, log):
-    """The gateway (python -m kestrel_backend.gateway) in front of the servers, until the block ends: (its url, its
-    process id)."""
+def gateway(grpc_urls: list[str], port: int, log, args: tuple[str, ...] = ()):
+    """The gateway (python -m kestrel_backend.gateway) in front of the servers, with args, until the block ends: (its
+    url, its process id)."""
     import urllib.request
 
     replicas = [arg for url in grpc_urls for arg in ("--triton", url)]
     proc = subprocess.Popen([sys.executable, "-m", "kestrel_backend.gateway", *replicas, "--port", str(port),
-                             "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
+                             "--host", "127.0.0.1", *args], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):

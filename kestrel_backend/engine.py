@@ -8,6 +8,7 @@ event loop on any thread: work hops to the engine loop, results hop back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import itertools
 import logging
@@ -66,7 +67,10 @@ class InferenceEngine:
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
         self.text_limit = TextLimit.for_tokenizer(model.tokenizer, self.max_context)
         self._ids = itertools.count(1)
-        self._decoders = ThreadPoolExecutor(max_workers=config.image_worker_count(), thread_name_prefix="kestrel-decode")
+        # one thread more than batch lines' images may take at once: a person's image never queues behind them
+        self._decoders = ThreadPoolExecutor(max_workers=config.image_worker_count() + 1,
+                                            thread_name_prefix="kestrel-decode")
+        self._batch_decodes = asyncio.Semaphore(config.image_worker_count())
         self._decoding: dict[str, asyncio.Future] = {}  # image key -> its crops, while being decoded
         self.adapters = AdapterRegistry(config.adapter_dir, config.max_adapters, config.max_adapter_rank,
                                         model.config.text, model.device, model.dtype, self._decoders)
@@ -316,14 +320,18 @@ class InferenceEngine:
         pixels = decode_image(data, self.image_limits)
         return pixels, self.model.crop_image(pixels) if crop else None
 
-    async def _decode_once(self, key: str, data: bytes):
+    async def _decode_once(self, key: str, data: bytes, batch: bool = False):
         """The image's crops, decoded off the engine thread once for all requests that bring it meanwhile
         (a burst of questions on one new image). shield: a cancelled request leaves the others' decode be."""
         decoding = self._decoding.get(key)
         if decoding is None:
-            decoding = self._decoding[key] = self.loop.run_in_executor(self._decoders, self.crop_image, data)
+            decoding = self._decoding[key] = asyncio.ensure_future(self._decode(data, batch))
             decoding.add_done_callback(lambda _: self._decoding.pop(key, None))
         return await asyncio.shield(decoding)
+
+    async def _decode(self, data: bytes, batch: bool):
+        async with self._batch_decodes if batch else contextlib.nullcontext():
+            return await self.loop.run_in_executor(self._decoders, self.crop_image, data)
 
     def _generation(self, skill: str, settings: Settings, reasoning: bool, object_text: str = "") -> Generation:
         tok, generation = self.model.config.tokenizer, SKILLS[skill].generation
@@ -366,7 +374,7 @@ class InferenceEngine:
         if self._queue_depth >= self.config.max_queue:
             raise EngineOverloaded(f"server overloaded: {self.config.max_queue} requests already queued; retry later")
         self._admitting += 1
-        adapter = None
+        adapter, batch = None, settings.priority == "batch"
         try:
             key = cropped = pixels = held = None
             if image is not None:
@@ -378,13 +386,13 @@ class InferenceEngine:
                     pixels, cropped = await self.loop.run_in_executor(self._decoders, self._pixels_and_crop,
                                                                       bytes(image), held is None)
                 elif held is None:
-                    cropped = await self._decode_once(key, bytes(image))
+                    cropped = await self._decode_once(key, bytes(image), batch)
             later = []
             for data, index in later_images:
                 later_key = image_key(bytes(data))
                 later_held = self.images.get(later_key)
                 later.append(LaterImage(later_key, index, held_embedding=later_held, cropped=None if later_held
-                                        is not None else await self._decode_once(later_key, bytes(data))))
+                                        is not None else await self._decode_once(later_key, bytes(data), batch)))
             tok = self.model.config.tokenizer
             overrides = None
             if skill == "query":
@@ -410,7 +418,7 @@ class InferenceEngine:
             seq = Sequence(self.next_sequence_id(), skill, ids, gen, delivery, image_key=key, cropped=cropped,
                            held_embedding=held, capacity=capacity, detok=detok, adapter=adapter,
                            prompt_overrides=overrides, t_submit=arrived, pixels=pixels, later_images=later,
-                           batch=settings.priority == "batch")
+                           batch=batch)
             self.scheduler.add(seq)
         except BaseException:
             if adapter is not None:

@@ -1277,3 +1277,33 @@ def test_fp8_vision_is_refused_where_it_cannot_run(tiny_model):
     with pytest.raises(ValueError, match="KESTREL_VISION_FP8=1 needs a GPU with FP8 tensor cores"):
         InferenceEngine(RuntimeConfig(device="cpu", vision_fp8=1), tiny_model)
     assert tiny_model.weights.vision.fp8 is None
+
+
+def test_interactive_requests_are_admitted_before_waiting_batch_lines(tiny_dir):
+    """One slot: while a request runs, batch lines queue, then an interactive one comes; it runs next, before every
+    batch line that came before it (the Batch API's lines yield to people's requests)."""
+    eng = InferenceEngine.create(RuntimeConfig(model_path=str(tiny_dir), device="cpu", dtype="float32",
+                                               max_batch_size=1, max_step_tokens=0))
+    try:
+        async def run():
+            order = []
+
+            async def ask(name: str, priority: str, tokens: int = 3):
+                await eng.query(None, f"question {name}", settings={"max_tokens": tokens, "priority": priority})
+                order.append(name)
+            first = asyncio.ensure_future(ask("first", "interactive", 64))
+            while eng.stats()["running"] < 1:
+                await asyncio.sleep(0.005)
+            lines = [asyncio.ensure_future(ask(f"batch {i}", "batch")) for i in range(3)]
+            while eng.stats()["queue_depth"] < 3:
+                await asyncio.sleep(0.005)
+            person = asyncio.ensure_future(ask("person", "interactive"))
+            await asyncio.gather(first, *lines, person)
+            return order
+
+        assert asyncio.run(run()) == ["first", "person", "batch 0", "batch 1", "batch 2"]
+        with pytest.raises(InvalidRequest, match="priority must be one of interactive, batch"):
+            asyncio.run(eng.query(None, "q", settings={"priority": "urgent"}))
+    finally:
+        eng.shutdown()
+

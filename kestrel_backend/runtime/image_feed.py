@@ -98,7 +98,10 @@ class ImageFeed:
         room = self.max_step_tokens - self._spent
         window = max(self.max_batch_size - len(self.running), 2, self._ahead_window() if self._slots_full else 0)
         needing: dict[str, Sequence] = {}  # image key -> the first sequence that needs its encode
-        for seq in itertools.islice(self.waiting, window):
+        head = list(itertools.islice(self.waiting, window))
+        if not all(seq.batch for seq in head):  # a person's request waits: its image alone (the step is short)
+            head = [seq for seq in head if not seq.batch]
+        for seq in head:
             if not self._needs_encode(seq) or seq.image_key in needing:
                 continue
             cost = len(seq.cropped[0]) * self.crop_cost

@@ -24,7 +24,7 @@ from .lines import LineError, error_line, failed_call, line_call, ok_line
 from .store import Claim, JobStore, new_id
 
 log = logging.getLogger("kestrel.gateway.batch")
-SWEEP_S = 30.0  # expired jobs, orphaned files, chunking a dead gateway left, the jobs-by-state gauge
+SWEEP_S = 30.0  # expired jobs, orphaned files, chunking a dead gateway left
 IDLE_POLL_S = 1.0  # with room and no line to run, the store is asked again after this
 FULL_PAUSE_S = 1.0  # every replica refused a line (full or stopping): no new claim for this long
 
@@ -172,6 +172,8 @@ class BatchWorker:
                 log.exception("renewing batch leases failed")
             self.metrics.rate.set(self._finished_lines / self.batch.heartbeat_s)
             self._finished_lines = 0
+            with contextlib.suppress(Exception):  # (the gauges wait for the next beat)
+                await self._gauges()
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -195,6 +197,8 @@ class BatchWorker:
         job = await asyncio.to_thread(self.store.take_chunking, self.holder, self.batch.lease_s)
         if job is not None:  # its gateway died while chunking it
             self.chunk(job["id"], job["input_path"])
+
+    async def _gauges(self) -> None:
         for state, count in (await asyncio.to_thread(self.store.jobs_by_state)).items():
             self.metrics.jobs.labels(state).set(count)
         self.metrics.disk.labels("data_folder").set(await asyncio.to_thread(self.folder.bytes_used))
