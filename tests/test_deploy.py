@@ -243,3 +243,28 @@ def test_a_scaled_object_without_a_query_fails(chart_copy):
     tpl.write_text(tpl.read_text().replace("        query:", "        nquery:"))
     problems = chart_check.check(chart_copy)
     assert any("ScaledObject" in p and "query" in p for p in problems), problems
+
+
+def test_the_batch_api_mounts_one_data_volume_in_every_gateway_and_needs_postgresql_for_several():
+    """All-on values: every sidecar gateway mounts the Batch API's ReadWriteMany claim and reads its job store's URL
+    from a Secret. Several gateways with no database: the chart refuses to render (SQLite is for one gateway)."""
+    objects = _objects(chart_check.ALL_ON)
+    pod = _deployment(chart_check.ALL_ON)["spec"]["template"]["spec"]
+    sidecar = next(c for c in pod["containers"] if c["name"] == "gateway")
+    assert "--batch-data=/var/lib/kestrel/batch" in sidecar["args"]
+    assert {"name": "batch-data", "mountPath": "/var/lib/kestrel/batch"} in sidecar["volumeMounts"]
+    db = next(e for e in sidecar["env"] if e["name"] == "KESTREL_BATCH_DB")
+    assert db["valueFrom"]["secretKeyRef"] == {"name": "batch-db", "key": "DATABASE_URL"}
+    claim = next(v for v in pod["volumes"] if v["name"] == "batch-data")["persistentVolumeClaim"]["claimName"]
+    pvc = next(d for d in objects if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == claim)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+    values = yaml.safe_load(chart_check.HPA.read_text())
+    values["gateway"]["batch"] = {"enabled": True}
+    with pytest.raises(Exception, match="needs gateway.batch.database.existingSecret"):
+        chart_check.render(values=values)
+    values["gateway"]["replicaCount"] = 1  # one gateway: SQLite on the claim
+    rendered = [d for path, text in chart_check.render(values=values).items() if path.endswith(".yaml")
+                for d in yaml.safe_load_all(text) if d]
+    gateway = next(d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-gateway"))
+    assert gateway["spec"]["template"]["spec"]["volumes"][0]["name"] == "batch-data"

@@ -1,8 +1,9 @@
 """python -m kestrel_backend.gateway --triton localhost:8001 [--triton host2:8001 | --triton-file F | --triton-dns
 name:8001] --port 2020
 
-Serves the Moondream API (/v1/query, /v1/caption, /v1/detect, /v1/point, /v1/segment) and OpenAI chat completions
-(/v1/chat/completions) over the moondream model of one or several tritonservers (README: "The Moondream API").
+Serves the Moondream API (/v1/query, /v1/caption, /v1/detect, /v1/point, /v1/segment), OpenAI chat completions
+(/v1/chat/completions) and, with --batch-data, the Batch API (/v1/batch) over the moondream model of one or several
+tritonservers (README: "The Moondream API", "Batch jobs").
 """
 
 from __future__ import annotations

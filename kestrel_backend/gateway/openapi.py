@@ -16,7 +16,8 @@ ERROR_STATUSES = {"400": "bad input", "401": "no valid API key", "404": "unknown
 SETTINGS = {"type": "object", "properties": {
     "temperature": {"type": "number"}, "top_p": {"type": "number"}, "max_tokens": {"type": "integer"},
     "max_objects": {"type": "integer"}, "seed": {"type": "integer"}, "adapter": {"type": "string"},
-    "variant": {"type": "string"}}, "additionalProperties": False}
+    "variant": {"type": "string"}, "priority": {"type": "string", "enum": ["interactive", "batch"]}},
+    "additionalProperties": False}
 METRICS = {"type": "object", "properties": {"input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"},
                                             "prefill_time_ms": {"type": "number"}, "decode_time_ms": {"type": "number"},
                                             "ttft_ms": {"type": "number"}, "cached_tokens": {"type": "integer"}}}

@@ -37,17 +37,39 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     {{- if .root.Values.gateway.fetchImageUrls }}
     - --fetch-image-urls
     {{- end }}
+    {{- with .root.Values.gateway.batch }}
+    {{- if .enabled }}
+    - --batch-data=/var/lib/kestrel/batch
+    - --batch-lines-per-replica={{ .linesPerReplica }}
+    - --batch-retention-h={{ .retentionHours }}
+    - --batch-max-disk-gb={{ .maxDiskGb }}
+    {{- end }}
+    {{- end }}
   securityContext:
     {{- toYaml .root.Values.securityContext | nindent 4 }}
   ports:
     - { name: gateway, containerPort: {{ .root.Values.gateway.port }}, protocol: TCP }
-  {{- with .root.Values.gateway.apiKeys.existingSecret }}
+  {{- $batch := .root.Values.gateway.batch }}
+  {{- if or .root.Values.gateway.apiKeys.existingSecret (and $batch.enabled $batch.database.existingSecret) }}
   env:
+    {{- with .root.Values.gateway.apiKeys.existingSecret }}
     - name: KESTREL_GATEWAY_API_KEYS
       valueFrom:
         secretKeyRef:
           name: {{ . }}
           key: {{ $.root.Values.gateway.apiKeys.key }}
+    {{- end }}
+    {{- if and $batch.enabled $batch.database.existingSecret }}
+    - name: KESTREL_BATCH_DB
+      valueFrom:
+        secretKeyRef:
+          name: {{ $batch.database.existingSecret }}
+          key: {{ $batch.database.key }}
+    {{- end }}
+  {{- end }}
+  {{- if $batch.enabled }}
+  volumeMounts:
+    - { name: batch-data, mountPath: /var/lib/kestrel/batch }
   {{- end }}
   livenessProbe:
     httpGet: { path: /healthz, port: gateway }
@@ -59,4 +81,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+{{- end -}}
+
+{{/* The Batch API's data folder, for a pod that runs the gateway; more than one gateway needs a shared database */}}
+{{- define "kestrel.batchVolume" -}}
+{{- $batch := .Values.gateway.batch -}}
+{{- if and .Values.gateway.enabled $batch.enabled -}}
+{{- $sidecar := eq .Values.gateway.mode "sidecar" -}}
+{{- $gateways := ternary .Values.replicaCount .Values.gateway.replicaCount $sidecar -}}
+{{- $many := or (gt (int $gateways) 1) (and $sidecar .Values.autoscaling.enabled) -}}
+{{- if and $many (not $batch.database.existingSecret) -}}
+{{- fail "gateway.batch with more than one gateway needs gateway.batch.database.existingSecret (PostgreSQL): SQLite is for one gateway" -}}
+{{- end }}
+- name: batch-data
+  persistentVolumeClaim:
+    claimName: {{ $batch.persistence.existingClaim | default (printf "%s-batch" (include "kestrel.fullname" .)) }}
+{{- end -}}
 {{- end -}}
