@@ -4,7 +4,7 @@
 
 Renders the default values and deploy/helm/values-all-on.yaml; every rendered object is checked
 against the Kubernetes JSON schemas shipped by kubernetes-validate (strict: unknown fields fail).
-ServiceMonitor (Prometheus Operator) and ScaledObject (KEDA) are CRDs with no shipped schema: their required
+ServiceMonitor and PrometheusRule (Prometheus Operator) and ScaledObject (KEDA) are CRDs with no shipped schema: their required
 fields are checked by hand. deploy/helm/values-hpa.yaml renders the plain-HPA autoscaling. Prints one line per object and exits non-zero on any problem.
 """
 
@@ -52,7 +52,17 @@ def _check_scaled_object(obj: dict) -> None:
         float(meta["threshold"])
 
 
-CUSTOM_RESOURCES = {"ServiceMonitor": _check_service_monitor, "ScaledObject": _check_scaled_object}
+def _check_prometheus_rule(obj: dict) -> None:
+    """The Prometheus Operator's PrometheusRule: groups of named rules, each an alert (or a record) with an expr."""
+    groups = (obj.get("spec") or {}).get("groups") or []
+    if not groups or not all(g.get("name") and g.get("rules") for g in groups):
+        raise ValueError("PrometheusRule needs groups, each with a name and rules")
+    if not all((r.get("alert") or r.get("record")) and r.get("expr") for g in groups for r in g["rules"]):
+        raise ValueError("PrometheusRule rules need an alert or record name and an expr")
+
+
+CUSTOM_RESOURCES = {"ServiceMonitor": _check_service_monitor, "ScaledObject": _check_scaled_object,
+                    "PrometheusRule": _check_prometheus_rule}
 
 
 def check(chart_dir: Path = CHART, values_files=(None, ALL_ON, HPA)) -> list[str]:

@@ -15,5 +15,5 @@ if [ "${1:-}" = test ]; then
     # never imports, so without its dependencies (Pillow, the one it uses, comes with the test extra)
     pip install -q --no-deps moondream==2.6.1
     bash ci/docker.sh  # the container tests' Docker engine
-    bash ci/packages.sh  # PostgreSQL, for the Batch API's shared job store
+    bash ci/packages.sh  # PostgreSQL, Prometheus, Chromium: the batch, dashboard and playground tests
 fi

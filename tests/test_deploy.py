@@ -1,6 +1,7 @@
 """Deployment files: the Helm chart renders and validates (and a broken copy fails), Dockerfile and
 compose files agree with pyproject and the engine's configuration."""
 
+import json
 import re
 import shutil
 import sys
@@ -268,3 +269,19 @@ def test_the_batch_api_mounts_one_data_volume_in_every_gateway_and_needs_postgre
                 for d in yaml.safe_load_all(text) if d]
     gateway = next(d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-gateway"))
     assert gateway["spec"]["template"]["spec"]["volumes"][0]["name"] == "batch-data"
+
+
+def test_the_dashboard_and_the_alert_rules_ship_in_the_chart():
+    """All-on values: Grafana's dashboard as a ConfigMap with the sidecar's label, the alert rules as a PrometheusRule,
+    both the files under deploy/ that tests/test_dashboard.py runs against a real Prometheus. Default values: neither
+    (no PrometheusRule API when rendered offline)."""
+    files = chart_check.CHART / "files"
+    objects = _objects(chart_check.ALL_ON)
+    dashboard = next(d for d in objects if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["kestrel-triton.json"]) == json.loads((files / "grafana-dashboard.json")
+                                                                               .read_text())
+    rule = next(d for d in objects if d["kind"] == "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((files / "alert-rules.yaml").read_text())
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    assert not [d for d in _objects() if d["kind"] in ("PrometheusRule", "ConfigMap")]
