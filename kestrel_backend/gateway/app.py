@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import moondream_api, openai_chat
+from . import moondream_api, openai_chat, playground
 from .batch.routes import BatchConfig
 from .errors import ApiError
 from .keys import ApiKeys
@@ -151,6 +151,11 @@ def create_app(config: GatewayConfig) -> Starlette:
                Route("/healthz", endpoint("healthz", health, authenticated=False), methods=["GET"]),
                Route("/readyz", endpoint("readyz", ready, authenticated=False), methods=["GET"]),
                Route("/openapi.json", endpoint("openapi", openapi, authenticated=False), methods=["GET"]),
+               # the page is public (it holds no secret; its calls send the caller's key)
+               Route("/playground", playground.to_page, methods=["GET"]),
+               Route("/playground/", endpoint("playground", playground.page, authenticated=False), methods=["GET"]),
+               Route("/playground/{name}", endpoint("playground", playground.page, authenticated=False),
+                     methods=["GET"]),
                *_batch_routes(batch, endpoint, batch_off),
                # where keys are set, scraping needs one too (Prometheus: authorization credentials)
                Route("/metrics", endpoint("metrics", scrape, limited=False), methods=["GET"])]
