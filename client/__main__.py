@@ -1,6 +1,7 @@
 """python -m client SKILL --url localhost:8001 --image PATH [--stream]   (SKILL: any of the table of skills,
 kestrel_backend/skills/catalog.py: query, caption, detect, point, segment, chat)
 python -m client batch run|submit|status|wait|results|abort ...   (the gateway's Batch API: client/batch.py)
+python -m client detect --image cat.jpg --object cat --draw cat-boxes.png   (the answer drawn: client/draw.py)
 
 chat: --messages '[{"role": "user", "content": "What is this?"}]' (the image, if given, joins the first user
 message)."""
@@ -13,6 +14,7 @@ from pathlib import Path
 from kestrel_backend.skills.catalog import SKILLS
 
 from . import MoondreamClient, MoondreamError
+from .draw import DRAWN, draw
 
 
 def main(argv=None) -> int:
@@ -32,7 +34,10 @@ def main(argv=None) -> int:
     p.add_argument("--settings", help="JSON object, e.g. '{\"max_tokens\": 64}'")
     p.add_argument("--stream", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--draw", metavar="PNG", help="detect, point, segment: write the image with the answer drawn on it")
     a = p.parse_args(argv)
+    if a.draw and (a.skill not in DRAWN or not a.image or a.stream):
+        p.error(f"--draw takes {', '.join(DRAWN)} with --image, not streamed")
     kw = dict(image=Path(a.image).read_bytes() if a.image else None, question=a.question, object=a.object,
               length=a.length, reasoning=a.reasoning, settings=json.loads(a.settings) if a.settings else None)
     if a.stream and not SKILLS[a.skill].streams:
@@ -55,7 +60,10 @@ def main(argv=None) -> int:
                 else:
                     print(body["chunk"], end="", flush=True)
         else:
-            print(json.dumps(c.answer(a.skill, **kw), ensure_ascii=False))
+            body = c.answer(a.skill, **kw)
+            print(json.dumps(body, ensure_ascii=False))
+            if a.draw:
+                draw(kw["image"], a.skill, body).save(a.draw)
     except MoondreamError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
