@@ -12,13 +12,14 @@ import contextlib
 import contextvars
 import itertools
 import logging
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .engine_config import RuntimeConfig
 from .errors import EngineDraining, EngineError, EngineOverloaded, InvalidRequest, RequestCancelled
-from .images import ImageLimits, decode_image
+from .images import ImageLimits, decode_image, mirrored_png
 from .model.hub import MODELS
 from .model.moondream import Moondream
 from .model.seg_refiner import RefinerHead
@@ -35,6 +36,7 @@ from .skills.chat import ChatMessage, chat_prompt, first_image, supports_reasoni
 from .skills.generation import Generation, ReasoningThenAnswer, RegionGeneration, SegmentGeneration, TextGeneration
 from .skills.prompts import (TextLimit, caption_prompt, check_spatial_refs, query_prompt, region_prompt,
                              spatial_refs_start)
+from .skills import gaze as gaze_skill
 from .skills.settings import Settings
 
 log = logging.getLogger("kestrel.engine")
@@ -229,6 +231,35 @@ class InferenceEngine:
         s = self._settings(settings, greedy=True)
         return await self._submit("segment", self._need_image(image), ids, s, False, object_text=object.strip())
 
+    async def gaze(self, image: bytes, spatial_refs=None, settings: dict | None = None) -> EngineResult:
+        """Where the person looks (skills/gaze.py): SPATIAL_REFS one point, their eye, or one box, their face (the
+        more accurate form: twenty eye points, on the image and its mirror image). {"gaze": {"x", "y"}}, or
+        {"gaze": None} when the model finds none. settings.seed draws the face form's eye points."""
+        self._check_served("gaze")
+        refs = check_spatial_refs(spatial_refs, self._need_image(image))
+        if len(refs) != 1:
+            raise InvalidRequest("SPATIAL_REFS: gaze takes one point (the eye, x, y) or one box (the face, x_min, y_min, "
+                                 f"x_max, y_max), got {len(refs)}")
+        s = self._settings({**(settings or {}), "max_objects": 1}, greedy=True)
+        if len(refs[0]) == 2:
+            result = await self._gaze_at(image, refs[0], s)
+            return EngineResult({"gaze": result.output["gaze"][0] if result.output["gaze"] else None},
+                                result.finish_reason, result.metrics, result.token_ids)
+        mirror = await asyncio.get_running_loop().run_in_executor(self._decoders, mirrored_png, image, self.image_limits)
+        eyes = gaze_skill.eye_samples(refs[0], random.Random(s.seed))
+        results = await asyncio.gather(*[self._gaze_at(mirror if flipped else image, (x, y), s)
+                                         for x, y, flipped in eyes])
+        found = [(1 - p["x"] if flipped else p["x"], p["y"]) for (_, _, flipped), r in zip(eyes, results)
+                 for p in r.output["gaze"]]
+        metrics = {k: sum(r.metrics[k] for r in results) for k in ("input_tokens", "output_tokens", "cached_tokens")}
+        metrics["ttft_ms"] = max(r.metrics["ttft_ms"] for r in results)
+        return EngineResult({"gaze": gaze_skill.mean_gaze(found)}, "stop", metrics, [])
+
+    async def _gaze_at(self, image: bytes, eye: tuple[float, float], settings: Settings) -> EngineResult:
+        ids, at = gaze_skill.gaze_prompt(lambda text: self.model.tokenizer.encode(text).ids)
+        return await self._submit("gaze", image, ids, settings, False, spatial_refs=[gaze_skill.eye_ref(eye)],
+                                  refs_at=at)
+
     async def chat(self, messages: list[ChatMessage], reasoning: bool | None = None, stream: bool = False,
                    settings: dict | None = None):
         """A conversation (skills/chat.py: parse_messages), answered as its last user turn's query. reasoning: on by
@@ -293,9 +324,11 @@ class InferenceEngine:
         return self.model.tokenizer.encode(text).ids
 
     def _check_served(self, skill: str) -> None:
-        """A skill that needs a tokenizer template the loaded model lacks (segment: Moondream 3's) is refused."""
+        """A skill that needs a tokenizer template the loaded model lacks (segment: Moondream 3's), or that the model's
+        family was not trained for (gaze: Moondream 2's), is refused."""
         spec = SKILLS[skill]
-        if spec.template is not None and spec.template not in self.model.config.tokenizer.templates:
+        if spec.template is not None and spec.template not in self.model.config.tokenizer.templates or \
+                self.model.name not in spec.families:
             raise InvalidRequest(f"SKILL {skill} is not supported by {self.model.name}, the loaded model: {skill} "
                                  f"needs {spec.models}")
 
@@ -344,11 +377,11 @@ class InferenceEngine:
         return TextGeneration(tok, settings)
 
     async def _submit(self, skill, image, ids, settings, stream, reasoning=False, spatial_refs=(), object_text="",
-                      later_images=()):
+                      later_images=(), refs_at=None):
         arrived = REQUEST_ARRIVAL.get() or time.perf_counter()  # TTFT counts from here (image decode, admission waits)
         delivery = Delivery(asyncio.get_running_loop(), stream)
         admit = self._accept(skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived, object_text,
-                             later_images)
+                             later_images, refs_at)
         admitted = False
         try:
             if delivery.loop is self.loop:  # a caller on the engine loop (the Triton adapter): no hop between loops
@@ -366,7 +399,7 @@ class InferenceEngine:
             raise
 
     async def _accept(self, skill, image, ids, settings, delivery, reasoning, spatial_refs, arrived: float,
-                      object_text: str = "", later_images=()) -> None:
+                      object_text: str = "", later_images=(), refs_at: int | None = None) -> None:
         """Runs on the engine loop: bounded queue, image decode (off-thread), adapter, context check. later_images:
         a conversation's other images, (bytes, index of their rows in ids)."""
         if self.draining:
@@ -399,6 +432,8 @@ class InferenceEngine:
                 ids = query_prompt(tok, ids, key is not None, reasoning, spatial_refs)
                 if spatial_refs:
                     overrides = self.model.spatial_ref_overrides(spatial_refs, spatial_refs_start(tok, key is not None))
+            elif refs_at is not None:  # (a prompt with its coordinate placeholders in place: gaze's eye)
+                overrides = self.model.spatial_ref_overrides(spatial_refs, refs_at)
             gen = self._generation(skill, settings, reasoning, object_text)
             prefix = self.model.config.text.prefix_attn if key is not None else 0
             prompt_len = prefix + len(ids)

@@ -57,3 +57,9 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> np.ndarray
     except pyvips.Error:
         raise ImageError("IMAGE is truncated or corrupt and could not be decoded") from None
     return np.ascontiguousarray(pixels, dtype=np.uint8)
+
+
+def mirrored_png(data: bytes, limits: ImageLimits = ImageLimits()) -> bytes:
+    """The image mirrored left to right, as lossless PNG bytes (gaze's face form asks the mirror image too)."""
+    pixels = decode_image(data, limits)
+    return pyvips.Image.new_from_array(np.ascontiguousarray(pixels[:, ::-1])).pngsave_buffer(compression=1)

@@ -13,6 +13,7 @@ it (IoU at least 0.99).
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from .model.weights import load_state
 from .model.seg_refiner import RefinerHead
 from .runtime.segment_refiner import SegmentRefiner
 from .skills.chat import chat_prompt, parse_messages
+from .skills import gaze
 from .skills.generation import Prompt, ReasoningThenAnswer, RegionGeneration, SegmentGeneration, TextGeneration
 from .skills.prompts import caption_prompt, query_prompt, region_prompt, spatial_refs_start
 from .skills.segment import coarse_segment
@@ -162,6 +164,49 @@ class Checker:
     def check_detect(self, case):
         return self._check_region(case, "detect", "objects")
 
+    def check_gaze(self, case):
+        """The eye form: the prompt's ids, the first step's logits and the point (or none); the face form: twenty eye
+        points drawn as the reference drew them (its seed), on the image and its mirror image, and their mean. A case
+        may raise the LM head's bias for one token (an answer of end of text, which random weights rarely give)."""
+        shift = case.get("lm_head_bias_shift")
+        bias = self.model.weights.text.lm_head.bias
+        kept = bias.detach().clone()
+        if shift is not None:
+            with torch.no_grad():
+                bias[shift["token"]] += shift["by"]
+        try:
+            if "face" in case:
+                return self._check_gaze_face(case)
+            logits, point = self._gaze_at(case, self.embedding(case["image"]), case["eye"])
+        finally:
+            with torch.no_grad():
+                bias.copy_(kept)
+        diff, rel = _rel_diff(logits.cpu().numpy(), self.arrays[case["logits"]][0])
+        ok = rel <= REL_TOL and _same_point(point, case["gaze"])
+        return ok, f"logits rel {rel:.3g}, gaze {point} against {case['gaze']}"
+
+    def _gaze_at(self, case, image_embedding, eye):
+        ids, at = gaze.gaze_prompt(lambda text: self.model.tokenizer.encode(text).ids)
+        if ids != case["prompt_ids"]:
+            raise AssertionError(f"prompt ids {ids} differ from the reference's {case['prompt_ids']}")
+        overrides = self.model.spatial_ref_overrides([gaze.eye_ref(eye)], at)
+        gen = RegionGeneration(self.model.config.tokenizer, Settings(max_objects=1), self.model, with_size=False)
+        logits = run_single(self.model, Prompt(ids, image_embedding, overrides), gen)
+        return logits, gen.objects[0] if gen.objects else None
+
+    def _check_gaze_face(self, case):
+        plain = self.embedding(case["image"])
+        with torch.inference_mode():
+            mirror = self.model.encode_image(np.ascontiguousarray(self.image(case["image"])[:, ::-1]))
+        face = tuple(case["face"][k] for k in ("x_min", "y_min", "x_max", "y_max"))
+        found = []
+        for x, y, flipped in gaze.eye_samples(face, random.Random(case["seed"])):
+            _, point = self._gaze_at(case, mirror if flipped else plain, (x, y))
+            if point is not None:
+                found.append((1 - point["x"] if flipped else point["x"], point["y"]))
+        mean = gaze.mean_gaze(found)
+        return _same_point(mean, case["gaze"]), f"gaze {mean} against {case['gaze']} ({len(found)} of 20 found)"
+
     def refiner(self) -> SegmentRefiner:
         if not hasattr(self, "_refiner"):
             head = RefinerHead.load(self.folder / "seg_refiner", self.model.device, self.model.dtype)
@@ -235,6 +280,12 @@ class Checker:
         return not bad, f"{len(current)} tensors, {len(bad)} differ" + (f" (first: {bad[0]})" if bad else "")
 
 
+def _same_point(ours: dict | None, ref: dict | None) -> bool:
+    if ours is None or ref is None:
+        return ours is None and ref is None
+    return abs(ours["x"] - ref["x"]) <= COORD_TOL and abs(ours["y"] - ref["y"]) <= COORD_TOL
+
+
 def json_close(a, b) -> bool:
     """Equal JSON values, floats within COORD_TOL."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -280,6 +331,10 @@ def submit_case(engine, folder: Path, case: dict):
         return engine.chat(parse_messages(case["messages"], attached), case["reasoning"], False, text)
     if kind == "segment":
         return engine.submit_tokens("segment", image, case["object_ids"], {"max_tokens": case["max_tokens"]})
+    if kind == "gaze":  # (not the cases that change the model's weights)
+        face = case.get("face")
+        refs = [[face[k] for k in ("x_min", "y_min", "x_max", "y_max")]] if face else [case["eye"]]
+        return engine.gaze(image, refs, {"seed": case["seed"]} if face else None)
     return engine.submit_tokens(kind, image, case["object_ids"], {"max_objects": case["max_objects"], **adapter})
 
 
@@ -299,6 +354,8 @@ def result_matches(engine, case: dict, result) -> bool:
         got, want = result.output["segments"][0], case["output"]["segments"][0]
         return result.finish_reason == case["finish_reason"] and ("parse_error" in got) == ("parse_error" in want) \
             and all(json_close(got.get(k), want[k]) for k in want if k not in ("object", "parse_error"))
+    if case["kind"] == "gaze":
+        return _same_point(result.output["gaze"], case["gaze"])
     key = "points" if case["kind"] == "point" else "objects"
     got = result.output[key]
     return len(got) == len(case[key]) and all(abs(o[k] - min(1.0, max(0.0, g[k]))) <= COORD_TOL

@@ -25,3 +25,18 @@ def test_parity_fails_when_a_golden_token_differs(tiny_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FAIL query_small" in out
     assert out.splitlines()[-1].endswith("1 failed")
+
+
+def test_gaze_cases_fail_when_the_eyes_coordinates_are_swapped(tiny_dir, monkeypatch):
+    """The gaze goldens see the eye's coordinate order: with x and y swapped in the prompt, parity fails. (On the tiny
+    random weights the eye moves the first logits of medium.png's case, not small.png's or wide.png's, whose peaked
+    attention gives its positions no weight: their logits are equal for any eye, here as in the reference.)"""
+    from kestrel_backend.skills import gaze
+
+    checker = parity.Checker(tiny_dir)
+    eye_cases = [c for c in checker.cases if c["kind"] == "gaze" and "eye" in c and "lm_head_bias_shift" not in c]
+    assert len(eye_cases) == 3 and all(checker.run(c)[0] for c in eye_cases)
+    right = gaze.eye_ref
+    monkeypatch.setattr(gaze, "eye_ref", lambda eye: right(eye)[::-1])
+    failed = [c["name"] for c in eye_cases if not checker.run(c)[0]]
+    assert failed == ["gaze_medium"]

@@ -25,7 +25,8 @@ class Skill:
     reasoning: bool = False  # takes REASONING
     spatial_refs: bool = False  # takes SPATIAL_REFS
     template: str | None = None  # the tokenizer template a model needs to have it; None: every model has it
-    models: str = ""  # the models that have that template, as a refusal names them
+    families: tuple[str, ...] = ("Moondream 2", "Moondream 3")  # the model families trained for it
+    models: str = ""  # the models that have it, as a refusal names them
     # the Moondream API's /v1/<name> endpoint, and whether its `stream` is taken there (segment's events are made
     # from its one result); chat is served as OpenAI's /v1/chat/completions instead
     api_endpoint: bool = True
@@ -61,4 +62,7 @@ SKILLS: dict[str, Skill] = {s.name: s for s in (
           template="segment", models="Moondream 3", api_streams=True),
     Skill("chat", "messages", True, None, "many", streams=True, generation="text", result="message", reasoning=True,
           api_endpoint=False),
+    # the eye (a point) or the face (a box) as SPATIAL_REFS; the gateway's /v1/gaze is its own (the cloud has none)
+    Skill("gaze", None, False, None, "required", streams=False, generation="region", result="gaze",
+          spatial_refs=True, families=("Moondream 2",), models="Moondream 2", api_endpoint=False),
 )}
