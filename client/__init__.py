@@ -157,6 +157,15 @@ class MoondreamClient:
     def segment(self, image: bytes, object: str, settings: dict | None = None) -> dict:
         return self.answer("segment", image=image, object=object, settings=settings)
 
+    def gaze(self, image: bytes, eye: tuple[float, float] | None = None,
+             face: tuple[float, float, float, float] | None = None, settings: dict | None = None) -> dict:
+        """{"gaze": {"x", "y"} or None}: where the person looks, from a point on their eye, or (more accurate) their
+        face's box (x_min, y_min, x_max, y_max). Moondream 2."""
+        if (eye is None) == (face is None):
+            raise ValueError("give eye (x, y) or face (x_min, y_min, x_max, y_max)")
+        return self.answer("gaze", image=image, spatial_refs=[list(eye if eye is not None else face)],
+                           settings=settings)
+
 
 class AsyncMoondreamClient:
     """asyncio face of MoondreamClient: the gRPC stream callbacks are awaited without blocking the loop."""

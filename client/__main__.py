@@ -2,6 +2,7 @@
 kestrel_backend/skills/catalog.py: query, caption, detect, point, segment, chat)
 python -m client batch run|submit|status|wait|results|abort ...   (the gateway's Batch API: client/batch.py)
 python -m client detect --image cat.jpg --object cat --draw cat-boxes.png   (the answer drawn: client/draw.py)
+python -m client gaze --image people.jpg --eye 0.41,0.33 --draw gaze.png   (Moondream 2; --face for the box form)
 
 chat: --messages '[{"role": "user", "content": "What is this?"}]' (the image, if given, joins the first user
 message)."""
@@ -30,6 +31,8 @@ def main(argv=None) -> int:
     p.add_argument("--object")
     p.add_argument("--length")
     p.add_argument("--messages", help="chat: a JSON list of OpenAI-style messages")
+    p.add_argument("--eye", help="gaze: the eye, x,y in [0, 1]")
+    p.add_argument("--face", help="gaze: the face's box, x_min,y_min,x_max,y_max in [0, 1] (the more accurate form)")
     p.add_argument("--reasoning", action="store_true", default=None)
     p.add_argument("--settings", help="JSON object, e.g. '{\"max_tokens\": 64}'")
     p.add_argument("--stream", action="store_true")
@@ -40,6 +43,10 @@ def main(argv=None) -> int:
         p.error(f"--draw takes {', '.join(DRAWN)} with --image, not streamed")
     kw = dict(image=Path(a.image).read_bytes() if a.image else None, question=a.question, object=a.object,
               length=a.length, reasoning=a.reasoning, settings=json.loads(a.settings) if a.settings else None)
+    if a.skill == "gaze":
+        if (a.eye is None) == (a.face is None):
+            p.error("gaze takes --eye x,y or --face x_min,y_min,x_max,y_max")
+        kw["spatial_refs"] = [[float(v) for v in (a.eye or a.face).split(",")]]
     if a.stream and not SKILLS[a.skill].streams:
         p.error(f"{a.skill} does not stream")
     if SKILLS[a.skill].text == "messages":
@@ -63,7 +70,9 @@ def main(argv=None) -> int:
             body = c.answer(a.skill, **kw)
             print(json.dumps(body, ensure_ascii=False))
             if a.draw:
-                draw(kw["image"], a.skill, body).save(a.draw)
+                ref = (kw.get("spatial_refs") or [[]])[0]  # (gaze's arrow starts at the eye, or the face's centre)
+                start = ref[:2] if len(ref) == 2 else [(ref[0] + ref[2]) / 2, (ref[1] + ref[3]) / 2] if ref else None
+                draw(kw["image"], a.skill, {**body, "from": start}).save(a.draw)
     except MoondreamError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import GATEWAY_KEY, TINY, _free_port
 
+pytest.importorskip("selenium")
+from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
+from selenium.webdriver.support.ui import Select  # noqa: E402
+
 IMAGE = TINY / "images" / "small.png"
 
 
@@ -67,7 +71,6 @@ def _open(browser, url: str) -> None:
 
 def _run(browser, skill: str, text: str | None = None) -> tuple[dict | None, str]:
     """Runs a skill from the form: (the result JSON the page shows, or None after an error; the answer's text)."""
-    from selenium.webdriver.support.ui import Select
 
     Select(_css(browser, "#skill")[0]).select_by_value(skill)
     if text is not None:
@@ -113,6 +116,18 @@ def test_every_skill_runs_from_the_page_and_is_drawn_on_the_image(browser, gatew
 
     result, answer = _run(browser, "chat", "Hello?")
     assert result is not None and "usage" in result
+
+    Select(_css(browser, "#skill")[0]).select_by_value("gaze")  # the eye: a click on the image
+    image = _css(browser, "#overlay")[0]
+    ActionChains(browser).move_to_element_with_offset(image, image.size["width"] // 4, 0).click().perform()
+    eye = [float(v) for v in _css(browser, "#eye")[0].get_attribute("value").split(",")]
+    assert abs(eye[0] - 0.75) < 0.02 and abs(eye[1] - 0.5) < 0.02
+    result, answer = _run(browser, "gaze")
+    assert result["gaze"] is not None and answer.startswith("looking at")
+    line = _css(browser, "#overlay line.gaze")[0]
+    assert abs(float(line.get_attribute("x1")) - eye[0]) < 1e-3
+    assert abs(float(line.get_attribute("x2")) - result["gaze"]["x"]) < 1e-9
+    browser.save_screenshot(str(artifacts / "playground-gaze.png"))
 
     result, answer = _run(browser, "segment", "face")  # Moondream 3's skill: this server says so, clearly
     assert result is None and answer.startswith("400: ") and "Moondream 3" in answer

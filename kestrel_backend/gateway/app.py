@@ -96,6 +96,11 @@ def create_app(config: GatewayConfig) -> Starlette:
             return await _stream(moondream_api.events(skill, bodies))
         return JSONResponse(moondream_api.result(skill, await _last(bodies, request)))
 
+    async def gaze(request: Request) -> Response:
+        call = await moondream_api.parse_gaze(await json_body(request, config.limits), config.limits, config.served)
+        bodies = config.upstream.call(call.inputs, call.key, config.request_timeout_s)
+        return JSONResponse(moondream_api.result("gaze", await _last(bodies, request)))
+
     async def chat(request: Request) -> Response:
         body = await json_body(request, config.limits)
         call, model = await openai_chat.parse(body, config.limits, config.served)
@@ -147,6 +152,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     routes = [Route(f"/v1/{skill.name}", endpoint(skill.name, moondream), methods=["POST"])
               for skill in moondream_api.ENDPOINTS]
     routes += [Route("/v1/chat/completions", endpoint("chat", chat), methods=["POST"]),
+               Route("/v1/gaze", endpoint("gaze", gaze), methods=["POST"]),  # (ours: the cloud API has no gaze)
                Route("/v1/models", endpoint("models", models), methods=["GET"]),
                Route("/healthz", endpoint("healthz", health, authenticated=False), methods=["GET"]),
                Route("/readyz", endpoint("readyz", ready, authenticated=False), methods=["GET"]),

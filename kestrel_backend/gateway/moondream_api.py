@@ -59,6 +59,29 @@ async def parse(skill: str, body: dict, limits: Limits, served: list[str]) -> Ca
     return Call(skill, build_inputs(skill, stream=triton_stream, **kw), routing_key(image, settings), stream)
 
 
+GAZE_FIELDS = {"image_url", "eye", "face", "model", "variant", "settings"}
+
+
+async def parse_gaze(body: dict, limits: Limits, served: list[str]) -> Call:
+    """POST /v1/gaze (ours: the cloud API has no gaze): `image_url` and `eye` {x, y}, or `face` {x_min, y_min,
+    x_max, y_max} for the more accurate form; `settings.seed` draws that form's eye points."""
+    known_fields(body, GAZE_FIELDS)
+    settings = with_model(body, settings_field(body), served)
+    if body.get("image_url") is None:
+        raise ApiError(400, "image_url is required")
+    image = await image_field(body["image_url"], limits)
+    if (body.get("eye") is None) == (body.get("face") is None):
+        raise ApiError(400, "send one of eye {x, y} (a point on the person's eye) or face {x_min, y_min, x_max, y_max}")
+    keys = ("x", "y") if body.get("eye") is not None else ("x_min", "y_min", "x_max", "y_max")
+    where = body.get("eye") if body.get("eye") is not None else body["face"]
+    if not isinstance(where, dict) or set(where) != set(keys) or not all(
+            isinstance(where[k], (int, float)) and not isinstance(where[k], bool) for k in keys):
+        raise ApiError(400, f"{'eye' if len(keys) == 2 else 'face'} must be an object of the numbers "
+                            f"{', '.join(keys)} in [0, 1]")
+    inputs = build_inputs("gaze", image=image, settings=settings, spatial_refs=[[where[k] for k in keys]])
+    return Call("gaze", inputs, routing_key(image, settings), False)
+
+
 def result(skill: str, body: dict) -> dict:
     """The model's final body as the API answers it (segment: the first outline's path and box)."""
     body = {k: v for k, v in body.items() if k not in ("chunk", "completed", "token_index")}

@@ -61,6 +61,16 @@ drop.addEventListener("drop", (e) => {
   useFile(e.dataTransfer.files[0]);
 });
 
+// a click on the image sets the eye for gaze
+$("overlay").addEventListener("click", (e) => {
+  if ($("skill").value !== "gaze") return;
+  const r = e.currentTarget.getBoundingClientRect();
+  const x = (e.clientX - r.left) / r.width, y = (e.clientY - r.top) / r.height;
+  $("eye").value = `${x.toFixed(3)}, ${y.toFixed(3)}`;
+  clearOverlay();
+  drawEye(x, y);
+});
+
 // --- the form ---
 
 function showFields() {
@@ -69,6 +79,7 @@ function showFields() {
     label.hidden = !label.dataset.for.split(" ").includes(skill);
   }
   $("textName").textContent = { query: "Question", chat: "Message" }[skill] || "Object";
+  $("overlay").style.cursor = skill === "gaze" ? "crosshair" : "";
   const text = $("text");
   if (["detect", "point", "segment"].includes(skill) && text.value.endsWith("?")) text.value = "face";
   if (["query", "chat"].includes(skill) && !text.value.endsWith("?")) text.value = "What is in this image?";
@@ -93,6 +104,10 @@ function request(skill) {
   if (skill === "caption") {
     return { path: "/v1/caption", stream: true, body: { image_url: image, length: $("length").value, stream: true,
       settings } };
+  }
+  if (skill === "gaze") {
+    const [x, y] = $("eye").value.split(",").map(Number);
+    return { path: "/v1/gaze", stream: false, body: { image_url: image, eye: { x, y } } };
   }
   if (skill !== "segment") settings.max_objects = Number($("maxObjects").value) || 20;
   return { path: `/v1/${skill}`, stream: false, body: { image_url: image, object: text, settings } };
@@ -176,6 +191,13 @@ function showResult(skill, result, ms) {
     $("answer").textContent = result.path ? "outline drawn" : "no outline";
     if (result.path && result.bbox) drawMask(result.path, result.bbox);
   }
+  if (skill === "gaze") {
+    const [x, y] = $("eye").value.split(",").map(Number);
+    drawEye(x, y);
+    $("answer").textContent = result.gaze ? `looking at (${result.gaze.x.toFixed(3)}, ${result.gaze.y.toFixed(3)})` :
+      "no gaze found";
+    if (result.gaze) drawGaze(x, y, result.gaze.x, result.gaze.y);
+  }
   const metrics = { ...(result.metrics || {}), ...(result.usage || {}), client_total_ms: Math.round(ms) };
   if (result.client_first_chunk_ms != null) metrics.client_first_chunk_ms = Math.round(result.client_first_chunk_ms);
   for (const [k, v] of Object.entries(metrics)) {
@@ -209,7 +231,7 @@ function showCalls(call) {
     segment: `model.segment(image, ${text})`,
     chat: `model.chat([{"role": "user", "content": ${text}}])`,
   };
-  lines.push(calls[skill]);
+  lines.push(calls[skill] || "# gaze: the gateway's own /v1/gaze (ours; the official client has none): curl above");
   $("python").textContent = lines.join("\n");
 }
 
@@ -236,6 +258,12 @@ function dot(cls, x, y, radiusPx) {
 }
 
 function drawPoint(p) { dot("point", p.x, p.y, 6); }
+function drawEye(x, y) { dot("eye", x, y, 5); }
+
+function drawGaze(x, y, gx, gy) {
+  add("line", { class: "gaze", x1: x, y1: y, x2: gx, y2: gy });
+  dot("target", gx, gy, 6);
+}
 
 function drawMask(path, b) {
   add("path", { class: "mask", d: path,
