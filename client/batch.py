@@ -168,7 +168,10 @@ def _answered(out: Path) -> set:
 
 
 def _save(state: Path, jobs: list[str]) -> None:
-    state.write_text(json.dumps(jobs))
+    """Written whole or not at all: an interruption mid-write must not lose the jobs sent."""
+    partial = state.with_name(state.name + ".partial")
+    partial.write_text(json.dumps(jobs))
+    os.replace(partial, state)
 
 
 def main(argv: list[str]) -> int:
