@@ -20,6 +20,7 @@ CHART_FILES = Path(__file__).parents[1] / "deploy" / "helm" / "kestrel-triton" /
 DASHBOARD = json.loads((CHART_FILES / "grafana-dashboard.json").read_text())
 RULES = CHART_FILES / "alert-rules.yaml"
 GPU_ONLY = "Needs a GPU"  # (a panel's description: Triton exports nv_gpu_* only where it sees one)
+pytestmark = pytest.mark.xdist_group("dashboard")  # (one Prometheus and its servers for the module, on one worker)
 
 
 def _binary(name: str) -> str:

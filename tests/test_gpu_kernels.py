@@ -1331,10 +1331,14 @@ def test_norm_bounds_fc1s_gelu_output_for_e4m3():
 
 def test_fp8_vision_blocks_follow_the_bf16_blocks(tiny_model):
     """The encoder with qkv, fc1 and fc2 in e4m3 (KESTREL_VISION_FP8) stays near the unquantised blocks and uses the
-    quantised weights (an fc1 or fc2 weight zeroed in e4m3 alone moves the output)."""
+    quantised weights (an fc1 or fc2 weight zeroed in e4m3 alone moves the output). Its first four blocks: in the
+    Triton interpreter all 27 took a minute of CI, and the blocks are alike."""
+    import dataclasses
+
     from kestrel_backend.model import vision
 
-    v, w = tiny_model.config.vision, tiny_model.weights.vision
+    v = tiny_model.config.vision
+    w = dataclasses.replace(tiny_model.weights.vision, blocks=tiny_model.weights.vision.blocks[:4])
     crops = torch.rand(1, 3, v.crop_size, v.crop_size, generator=torch.Generator().manual_seed(0)) * 2 - 1
     x = vision.embed_patches(crops, w, v)
     want = vision._encode_blocks_cuda(x.clone(), w, v)

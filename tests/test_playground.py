@@ -18,6 +18,7 @@ from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.support.ui import Select  # noqa: E402
 
 IMAGE = TINY / "images" / "small.png"
+pytestmark = pytest.mark.xdist_group("playground")  # (one browser for the module, on one worker)
 
 
 @pytest.fixture(scope="module")
