@@ -46,7 +46,7 @@ def watched(triton_server, tmp_path_factory):
     work = tmp_path_factory.mktemp("prometheus")
     gateway = batch_gateway(work, triton_server["grpc"])
     port = _free_port()
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(RULES)],
+    config = {"global": {"scrape_interval": "500ms", "evaluation_interval": "500ms"}, "rule_files": [str(RULES)],
               "scrape_configs": [
                   {"job_name": "tritonserver", "static_configs": [{"targets": [triton_server.metrics.split("/")[2]]}]},
                   {"job_name": "gateway", "authorization": {"credentials": GATEWAY_KEY},
@@ -68,7 +68,7 @@ def watched(triton_server, tmp_path_factory):
         else:
             raise RuntimeError((work / "prometheus.log").read_text()[-2000:])
         _serve_a_bit_of_everything(gateway)
-        time.sleep(4)  # (scrapes after the requests, so that every rate has two samples that differ)
+        time.sleep(2)  # (scrapes after the requests, so that every rate has two samples that differ)
         yield url, gateway
     finally:
         server.terminate()
@@ -94,7 +94,7 @@ def _serve_a_bit_of_everything(gateway) -> None:
 def _panel_queries():
     for panel in DASHBOARD["panels"]:
         for target in panel["targets"]:
-            # Grafana's $__rate_interval: at least four scrapes (this Prometheus scrapes every second)
+            # Grafana's $__rate_interval: at least four scrapes (this Prometheus scrapes twice a second)
             yield panel, target["expr"].replace("$__rate_interval", "1m")
 
 
