@@ -23,7 +23,6 @@ import base64
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading

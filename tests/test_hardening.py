@@ -312,6 +312,10 @@ def _stop_with_streams_in_flight(work: Path) -> None:
     or with the drain's error), and neither its stub process nor its shared-memory region is left."""
     server = TritonProcess(work)
     stubs = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    # its shared-memory region, by name: a server started later by another test may take the freed port (the
+    # region's prefix) and make one of its own
+    prefix = f"kestrel_{server.grpc.rsplit(':', 1)[1]}_"
+    regions = [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
     client = MoondreamClient(server.grpc, timeout=60)
     ends = []
 
@@ -333,8 +337,7 @@ def _stop_with_streams_in_flight(work: Path) -> None:
         t.join(30)
     assert len(ends) == 2
     assert stubs and not any(os.path.exists(f"/proc/{pid}") for pid in stubs), stubs
-    grpc_port = server.grpc.rsplit(":", 1)[1]
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kestrel_{grpc_port}_")]
+    assert regions and not [f for f in regions if os.path.exists(f"/dev/shm/{f}")], regions
 
 
 def test_ten_stops_with_streams_in_flight_exit_0_and_leave_nothing(tmp_path):

@@ -86,10 +86,10 @@ def _run(browser, skill: str, text: str | None = None) -> tuple[dict | None, str
     _wait(browser, lambda b: b.execute_script(
         "return !document.getElementById('run').disabled && (document.getElementById('result').textContent !== '' "
         "|| document.getElementById('answer').classList.contains('error'))"), what=f"{skill} answered")
-    answer = _css(browser, "#answer")[0]
-    if "error" in answer.get_attribute("class"):
-        return None, answer.text
-    return json.loads(browser.execute_script("return document.getElementById('result').textContent")), answer.text
+    text = browser.execute_script("return document.getElementById('answer').textContent")  # (as set: \r kept)
+    if "error" in _css(browser, "#answer")[0].get_attribute("class"):
+        return None, text
+    return json.loads(browser.execute_script("return document.getElementById('result').textContent")), text
 
 
 def test_every_skill_runs_from_the_page_and_is_drawn_on_the_image(browser, gateway, artifacts):
