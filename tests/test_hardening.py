@@ -310,12 +310,13 @@ def test_links_reach_allowed_hosts_only_and_fail_alike(links):
 def _stop_with_streams_in_flight(work: Path) -> None:
     """A server with two streams running gets SIGTERM: it exits 0 within its exit timeout, both streams end (whole,
     or with the drain's error), and neither its stub process nor its shared-memory region is left."""
+    # its own shared-memory region, by name: the region's prefix is the gRPC port, which a server of another test
+    # may have had before (one SIGKILLed leaves its region) or take after this one frees it
+    before = set(os.listdir("/dev/shm"))
     server = TritonProcess(work)
     stubs = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
-    # its shared-memory region, by name: a server started later by another test may take the freed port (the
-    # region's prefix) and make one of its own
     prefix = f"kestrel_{server.grpc.rsplit(':', 1)[1]}_"
-    regions = [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+    regions = [f for f in os.listdir("/dev/shm") if f.startswith(prefix) and f not in before]
     client = MoondreamClient(server.grpc, timeout=60)
     ends = []
 
