@@ -12,14 +12,13 @@ request first.
 
 from __future__ import annotations
 
-import json
-
 from client import build_inputs
 from ...skills.catalog import SKILLS
 from .. import moondream_api, openai_chat
 from ..errors import ApiError
 from ..moondream_api import Call
-from ..payloads import Limits, counting_reasoning, flag, image_field, known_fields, routing_key, settings_field, text_field, with_model
+from ..payloads import (Limits, counting_reasoning, flag, image_field, known_fields, routing_key, settings_field,
+                        text_field, with_model)
 
 PRIORITY = "batch"
 
@@ -30,11 +29,6 @@ class LineError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code, self.message = code, message
-
-
-def parse_line(raw: bytes) -> dict:
-    """The line's JSON object (chunking has checked that it is one)."""
-    return json.loads(raw)
 
 
 async def line_call(line: dict, model: str, limits: Limits, served: list[str]) -> Call:

@@ -130,14 +130,13 @@ class BatchService:
         try:
             await asyncio.wait_for(self._receive(request, out, digest), self.limits.part_timeout_s)
             out.close()
-            self.folder.commit_part(file_id, number)
+            etag = f'"{digest.hexdigest()}"'
+            self.folder.commit_part(file_id, number, etag)
         except asyncio.TimeoutError:
             raise ApiError(408, f"the part did not arrive within {self.limits.part_timeout_s:g} s") from None
         finally:
             out.close()
             self.folder.discard_part(file_id, number)
-        etag = f'"{digest.hexdigest()}"'
-        self.folder.part_path(file_id, number).with_suffix(".etag").write_text(etag)
         return JSONResponse({"etag": etag, "partNumber": number})
 
     async def _receive(self, request: Request, out, digest) -> None:
@@ -162,11 +161,9 @@ class BatchService:
             raise ApiError(400, "parts must be in ascending partNumber order, each once")
         size = 0
         for p in parts:
-            path = self.folder.part_path(file_id, p["partNumber"])
-            etag = path.with_suffix(".etag")
-            if not path.exists() or not etag.exists() or etag.read_text() != _quoted(p["etag"]):
+            if self.folder.part_etag(file_id, p["partNumber"]) != _quoted(p["etag"]):
                 raise ApiError(400, f"part {p['partNumber']} was not uploaded, or its etag differs")
-            size += path.stat().st_size
+            size += self.folder.part_path(file_id, p["partNumber"]).stat().st_size
         if size > self.limits.max_file_bytes:
             raise ApiError(413, f"the file is {size} bytes, over the {self.limits.max_file_bytes} byte limit",
                            code="limit_exceeded")
