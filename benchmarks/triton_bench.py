@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 import uuid
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -302,12 +302,12 @@ def fresh_images(n: int, seed: int) -> list[bytes]:
     import numpy as np
     import pyvips
 
-    out = []
-    for i in range(seed, seed + n):
+    def one(i: int) -> bytes:
         rng = np.random.default_rng(i)
         small = pyvips.Image.new_from_array(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8))
-        out.append(small.resize(40, kernel="linear").jpegsave_buffer(Q=85))
-    return out
+        return small.resize(40, kernel="linear").jpegsave_buffer(Q=85)
+    with ThreadPoolExecutor() as pool:  # (libvips lets go of the GIL: thousands take seconds)
+        return list(pool.map(one, range(seed, seed + n)))
 
 
 def level(url: str, images: list[bytes], concurrency: int, max_tokens: int, pool=None, processes: int = 1,

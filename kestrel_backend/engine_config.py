@@ -62,6 +62,8 @@ class RuntimeConfig:
     max_batch_size: int = 32
     max_step_tokens: int = 16384  # new work a step takes on: prompt tokens to prefill, an image to encode counted as
     # the text tokens of equal matmul work (0: no limit; a request larger than this runs in a step of its own)
+    batch_step_tokens: int = 4096  # the budget for batch lines (SETTINGS.priority batch) while people's requests are
+    # about (one in the last 2 s): a person's request then waits for a shorter step in flight (0: max_step_tokens)
     admit_group: int = 0  # while more requests wait than there are free slots, admit none until this many slots
     # are free (0: as slots free): fewer, larger prefill steps, each reading every weight once
     mixed_steps: int = 1  # a step that admits requests decodes the running ones in its prefill forward (one read of
@@ -96,7 +98,8 @@ class RuntimeConfig:
     ENV = {
         "model_path": "KESTREL_MODEL_PATH", "model": "KESTREL_MODEL", "revision": "KESTREL_REVISION",
         "device": "KESTREL_DEVICE", "dtype": "KESTREL_DTYPE", "max_batch_size": "KESTREL_MAX_BATCH_SIZE",
-        "max_step_tokens": "KESTREL_MAX_STEP_TOKENS", "admit_group": "KESTREL_ADMIT_GROUP",
+        "max_step_tokens": "KESTREL_MAX_STEP_TOKENS", "batch_step_tokens": "KESTREL_BATCH_STEP_TOKENS",
+        "admit_group": "KESTREL_ADMIT_GROUP",
         "mixed_steps": "KESTREL_MIXED_STEPS", "prefix_ahead": "KESTREL_PREFIX_AHEAD",
         "max_queue": "KESTREL_MAX_QUEUE", "page_size": "KESTREL_PAGE_SIZE", "kv_pages": "KESTREL_KV_PAGES",
         "max_context": "KESTREL_MAX_CONTEXT", "image_cache_size": "KESTREL_IMAGE_CACHE_SIZE",
@@ -151,7 +154,7 @@ class RuntimeConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.ENV[name]} must be at least 1, got {getattr(self, name)}")
         for name in ("kv_pages", "max_context", "prefix_cache_size", "chaos_fail_after_steps", "image_workers",
-                     "drain_timeout_s", "max_step_tokens", "admit_group", "mixed_steps"):
+                     "drain_timeout_s", "max_step_tokens", "batch_step_tokens", "admit_group", "mixed_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.ENV[name]} must be 0 or positive, got {getattr(self, name)}")
         if self.prefix_ahead < -1:

@@ -13,6 +13,7 @@ from kestrel_backend.engine import (EngineDraining, EngineError, EngineOverloade
                                     RequestCancelled)
 from kestrel_backend.engine_config import PREFIX_AHEAD_MOE, ConfigError, RuntimeConfig
 from kestrel_backend.images import decode_image
+from kestrel_backend.runtime.admission import PEOPLE_ABOUT_S
 from kestrel_backend.runtime.image_cache import image_key
 from kestrel_backend.runtime.prefix_cache import page_keys
 from kestrel_backend.runtime.sequence import Delivery, Sequence
@@ -1305,8 +1306,39 @@ def test_interactive_requests_are_admitted_before_waiting_batch_lines(tiny_dir):
             return order
 
         assert asyncio.run(run()) == ["first", "person", "batch 0", "batch 1", "batch 2"]
+        assert time.monotonic() - eng.scheduler.person_seen < PEOPLE_ABOUT_S  # (people are about: see below)
         with pytest.raises(InvalidRequest, match="priority must be one of interactive, batch"):
             asyncio.run(eng.query(None, "q", settings={"priority": "urgent"}))
     finally:
         eng.shutdown()
 
+
+
+def test_batch_lines_join_smaller_steps_while_people_are_about(engine):
+    """Three batch lines of 40 prompt tokens waiting: with nobody about they join one step together (the fixture sets
+    no step budget); while a person's request came less than PEOPLE_ABOUT_S ago, one a step (a batch budget of 60
+    tokens); people's own requests are not held to that budget."""
+    s = engine.scheduler
+
+    def admit(first: int, batch: bool = True) -> tuple[list[int], list[int]]:
+        s.waiting.extend(Sequence(first + i, "query", [0] * 40, Generation(), None, capacity=64, batch=batch)
+                         for i in range(3))
+        admitted = [seq.id for seq in s.admit()]
+        for seq in list(s.running):
+            s.running.remove(seq)
+            s.cache.free(seq.id)
+        left = [seq.id for seq in s.waiting]
+        s.waiting.clear()
+        return admitted, left
+
+    saved = s.batch_step_tokens, s.person_seen
+    try:
+        s.batch_step_tokens, s.person_seen = 60, float("-inf")
+        assert admit(300) == ([300, 301, 302], [])
+        s.person_seen = time.monotonic()
+        assert admit(310) == ([310], [311, 312])
+        assert admit(320, batch=False) == ([320, 321, 322], [])
+        s.person_seen = time.monotonic() - PEOPLE_ABOUT_S
+        assert admit(330) == ([330, 331, 332], [])
+    finally:
+        s.batch_step_tokens, s.person_seen = saved

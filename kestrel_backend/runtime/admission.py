@@ -6,6 +6,7 @@ queues and counters."""
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,9 @@ from .sequence import Sequence
 # ahead (Admission._ahead_window): this many times prefix_ahead. Moondream 3 at batch 64 in chain of thought, with
 # decode steps launched ahead, 8 against 4 in turns: 79.5 / 81.0 against 75.9 / 77.9 req/s (H100).
 AHEAD_WINDOW_GROUPS = 8
+# A person's request that came this recently means people are about: batch lines then join steps of the smaller budget
+# (Admission.step_budget)
+PEOPLE_ABOUT_S = 2.0
 
 
 @dataclass
@@ -72,7 +76,8 @@ class Admission:
                 deferred.append(self.waiting.popleft())  # (its image is encoded ahead in this step: see below)
                 continue
             cost = self._prefill_cost(seq, len(shared), encoding)
-            if new and self.max_step_tokens and spent + cost > self.max_step_tokens:
+            budget = self.step_budget(seq.batch)
+            if new and budget and spent + cost > budget:
                 break  # (a request larger than the budget still runs: in a step of its own)
             need = self.cache.pages_for(seq.capacity) - len(shared)
             if need > self.cache.pages_free:
@@ -94,6 +99,14 @@ class Admission:
         self._spent = spent
         self._slots_full = bool(self.waiting) and len(self.running) - leaving >= self.max_batch_size
         return self.attach_images(new)
+
+    def step_budget(self, batch: bool) -> int:
+        """The step's budget for admitting a batch line (or encoding its image ahead), or a person's request: while
+        people's requests are about, batch lines get the smaller batch_step_tokens, so that a person's request that
+        comes waits for a shorter step in flight (a batch's steps are otherwise as long as the budget allows)."""
+        if batch and self.batch_step_tokens and time.monotonic() - self.person_seen < PEOPLE_ABOUT_S:
+            return min(self.batch_step_tokens, self.max_step_tokens or self.batch_step_tokens)
+        return self.max_step_tokens
 
     def _encodes_ahead(self) -> bool:
         """Whether new images are encoded ahead, after a step's work (encode_ahead), rather than in the step

@@ -95,12 +95,12 @@ class ImageFeed:
         least two: a question or two on the next image), within what the step's budget has left; at least one
         image, so that an image larger than the budget is still encoded. Each image's encode time is counted in
         the prefill time of the sequence it was encoded for."""
-        room = self.max_step_tokens - self._spent
         window = max(self.max_batch_size - len(self.running), 2, self._ahead_window() if self._slots_full else 0)
         needing: dict[str, Sequence] = {}  # image key -> the first sequence that needs its encode
         head = list(itertools.islice(self.waiting, window))
         if not all(seq.batch for seq in head):  # a person's request waits: its image alone (the step is short)
             head = [seq for seq in head if not seq.batch]
+        room = self.step_budget(all(seq.batch for seq in head)) - self._spent
         for seq in head:
             if not self._needs_encode(seq) or seq.image_key in needing:
                 continue

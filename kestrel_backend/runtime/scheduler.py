@@ -49,7 +49,8 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
 
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
                  decoder=None, prefill_graphs=None, prefix_cache_size: int = 0, crop_encoder=None, adapters=None,
-                 max_step_tokens: int = 0, admit_group: int = 0, mixed_steps: bool = False, prefix_ahead: int = 0):
+                 max_step_tokens: int = 0, admit_group: int = 0, mixed_steps: bool = False, prefix_ahead: int = 0,
+                 batch_step_tokens: int = 0):
         self.model = model
         self.cache = cache
         self.images = image_cache
@@ -57,6 +58,8 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
         self.prefixes = PrefixCache(cache, prefix_cache_size * (model.config.text.prefix_attn // cache.page_size))
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens  # the budget of admit (0: none)
+        self.batch_step_tokens = batch_step_tokens  # batch lines' budget while people are about (step_budget; 0: none)
+        self.person_seen = float("-inf")  # when the last interactive request came (time.monotonic)
         self.admit_group = admit_group  # under a backlog, admit no fewer at once (admit; 0: as slots free)
         # A step that admits sequences runs the running ones' decode inputs in the same forward as the new prompts
         # (eager or a prefill graph) instead of a decode forward (graph) after it: every weight (every expert of a
@@ -110,6 +113,7 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
             self.waiting.append(seq)
         else:  # ahead of every batch line waiting, behind the interactive requests that came before it
             self.waiting.insert(next((i for i, s in enumerate(self.waiting) if s.batch), len(self.waiting)), seq)
+            self.person_seen = time.monotonic()
         self._wake.set()
 
     def abort(self, error: EngineError) -> None:

@@ -1,7 +1,10 @@
-"""A gateway's batch worker: it claims lines from the job store while it has room (lines_per_replica for each ready
-replica), sends each to the replica its image routes to, and records its result; it renews its leases, chunks the
-jobs it takes, and sweeps what expired. Several gateways on one store share the work; a line a dead gateway held
-returns to the pool when its lease runs out."""
+"""A gateway's batch worker: it claims lines from the job store, sends each to the replica its image routes to (at most
+lines_per_replica upstream for each ready replica), and records its result; it renews its leases, chunks the jobs it
+takes, and sweeps what expired. Several gateways on one store share the work; a line a dead gateway held returns to
+the pool when its lease runs out.
+
+A few lines more than go upstream are claimed, read and parsed ahead (AHEAD_SHARE), so that a line whose answer comes
+is replaced upstream at once: the store's transactions and the line's parsing are not between one line and the next."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ log = logging.getLogger("kestrel.gateway.batch")
 SWEEP_S = 30.0  # expired jobs, orphaned files, chunking a dead gateway left
 IDLE_POLL_S = 1.0  # with room and no line to run, the store is asked again after this
 FULL_PAUSE_S = 1.0  # every replica refused a line (full or stopping): no new claim for this long
+AHEAD_SHARE = 4  # lines ready ahead: a quarter of those upstream (at least one)
 
 
 class BatchMetrics:
@@ -37,7 +41,7 @@ class BatchMetrics:
                              "the error's code)", ["outcome"], registry=registry)
         self.rate = Gauge("kestrel_gateway_batch_lines_per_second", "Batch lines this gateway finished a second, "
                           "over the last heartbeat", registry=registry)
-        self.in_flight = Gauge("kestrel_gateway_batch_lines_in_flight", "Batch lines this gateway is running",
+        self.in_flight = Gauge("kestrel_gateway_batch_lines_in_flight", "Batch lines this gateway holds: upstream, or read and ready to go",
                                registry=registry)
         self.disk = Gauge("kestrel_gateway_batch_disk_bytes", "The batch data folder's and the job store's bytes",
                           ["where"], registry=registry)
@@ -55,6 +59,8 @@ class BatchWorker:
         self._chunking: set[asyncio.Task] = set()
         self._paused_until = 0.0
         self._finished_lines = 0
+        self.upstream_lines = 0  # of the running ones, those sent and not yet answered
+        self._upstream_free = asyncio.Event()
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(loop()) for loop in (self._claim_loop, self._heartbeat, self._sweep_loop)]
@@ -67,9 +73,30 @@ class BatchWorker:
         await asyncio.gather(*self._tasks, *self._chunking, *self.running, return_exceptions=True)
 
     @property
-    def room(self) -> int:
+    def upstream_room(self) -> int:
         ready = sum(r.ready for r in self.upstream.replicas.values())
-        return self.batch.lines_per_replica * ready - len(self.running)
+        return self.batch.lines_per_replica * ready - self.upstream_lines
+
+    @property
+    def room(self) -> int:
+        """Lines to claim: as many as may go upstream and a share more, ready ahead."""
+        capacity = self.batch.lines_per_replica * sum(r.ready for r in self.upstream.replicas.values())
+        ahead = max(1, capacity // AHEAD_SHARE) if capacity else 0
+        return capacity + ahead - len(self.running)
+
+    @contextlib.asynccontextmanager
+    async def _upstream_slot(self):
+        """Waits until fewer lines than the replicas take are upstream (their number follows the ready replicas)."""
+        while self.upstream_room <= 0:
+            self._upstream_free.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._upstream_free.wait(), IDLE_POLL_S)
+        self.upstream_lines += 1
+        try:
+            yield
+        finally:
+            self.upstream_lines -= 1
+            self._upstream_free.set()
 
     async def _claim_loop(self) -> None:
         while True:
@@ -101,7 +128,8 @@ class BatchWorker:
                                                           claim.length))
                 line_id = line.get("id")
                 call = await line_call(line, claim.model, self.limits, self.served)
-                body = await self._answer(call)
+                async with self._upstream_slot():
+                    body = await self._answer(call)
                 result = ok_line(claim.line_index, line_id, line["skill"], call.skill, body)
             except LineError as e:
                 result = error_line(claim.line_index, line_id, e.code, e.message)
