@@ -24,6 +24,7 @@ from .model.hub import MODELS
 from .model.moondream import Moondream
 from .model.seg_refiner import RefinerHead
 from .model.tokenizer import IncrementalDetokenizer
+from .runtime.decode_slots import BatchDecodeSlots
 from .runtime.gpu_parts import make_crop_encoder, make_decoder, make_prefill_graphs
 from .runtime.image_cache import ImageCache, image_key
 from .runtime.kv_cache import PagedKVCache
@@ -69,10 +70,11 @@ class InferenceEngine:
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
         self.text_limit = TextLimit.for_tokenizer(model.tokenizer, self.max_context)
         self._ids = itertools.count(1)
-        # one thread more than batch lines' images may take at once: a person's image never queues behind them
+        # one thread more than batch lines' images may take at once while people are about (BatchDecodeSlots)
         self._decoders = ThreadPoolExecutor(max_workers=config.image_worker_count() + 1,
                                             thread_name_prefix="kestrel-decode")
-        self._batch_decodes = asyncio.Semaphore(config.image_worker_count())
+        self._batch_decodes = BatchDecodeSlots(config.image_worker_count() + 1,
+                                               lambda: self.scheduler.people_about())
         self._decoding: dict[str, asyncio.Future] = {}  # image key -> its crops, while being decoded
         self.adapters = AdapterRegistry(config.adapter_dir, config.max_adapters, config.max_adapter_rank,
                                         model.config.text, model.device, model.dtype, self._decoders)
@@ -364,7 +366,7 @@ class InferenceEngine:
         return await asyncio.shield(decoding)
 
     async def _decode(self, data: bytes, batch: bool):
-        async with self._batch_decodes if batch else contextlib.nullcontext():
+        async with self._batch_decodes.slot() if batch else contextlib.nullcontext():
             return await self.loop.run_in_executor(self._decoders, self.crop_image, data)
 
     def _generation(self, skill: str, settings: Settings, reasoning: bool, object_text: str = "") -> Generation:
@@ -409,6 +411,8 @@ class InferenceEngine:
             raise EngineOverloaded(f"server overloaded: {self.config.max_queue} requests already queued; retry later")
         self._admitting += 1
         adapter, batch = None, settings.priority == "batch"
+        if not batch:
+            self.scheduler.person_seen = time.monotonic()  # (before its image's decode: see BatchDecodeSlots)
         try:
             key = cropped = pixels = held = None
             if image is not None:

@@ -62,7 +62,7 @@ class RuntimeConfig:
     max_batch_size: int = 32
     max_step_tokens: int = 16384  # new work a step takes on: prompt tokens to prefill, an image to encode counted as
     # the text tokens of equal matmul work (0: no limit; a request larger than this runs in a step of its own)
-    batch_step_tokens: int = 4096  # the budget for batch lines (SETTINGS.priority batch) while people's requests are
+    batch_step_tokens: int = 2048  # the budget for batch lines (SETTINGS.priority batch) while people's requests are
     # about (one in the last 2 s): a person's request then waits for a shorter step in flight (0: max_step_tokens)
     admit_group: int = 0  # while more requests wait than there are free slots, admit none until this many slots
     # are free (0: as slots free): fewer, larger prefill steps, each reading every weight once

@@ -100,11 +100,15 @@ class Admission:
         self._slots_full = bool(self.waiting) and len(self.running) - leaving >= self.max_batch_size
         return self.attach_images(new)
 
+    def people_about(self) -> bool:
+        """Whether a person's (interactive) request came in the last PEOPLE_ABOUT_S: batch work yields while so."""
+        return time.monotonic() - self.person_seen < PEOPLE_ABOUT_S
+
     def step_budget(self, batch: bool) -> int:
         """The step's budget for admitting a batch line (or encoding its image ahead), or a person's request: while
         people's requests are about, batch lines get the smaller batch_step_tokens, so that a person's request that
         comes waits for a shorter step in flight (a batch's steps are otherwise as long as the budget allows)."""
-        if batch and self.batch_step_tokens and time.monotonic() - self.person_seen < PEOPLE_ABOUT_S:
+        if batch and self.batch_step_tokens and self.people_about():
             return min(self.batch_step_tokens, self.max_step_tokens or self.batch_step_tokens)
         return self.max_step_tokens
 

@@ -59,7 +59,7 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens  # the budget of admit (0: none)
         self.batch_step_tokens = batch_step_tokens  # batch lines' budget while people are about (step_budget; 0: none)
-        self.person_seen = float("-inf")  # when the last interactive request came (time.monotonic)
+        self.person_seen = float("-inf")  # when the last interactive request came (time.monotonic; set by the engine)
         self.admit_group = admit_group  # under a backlog, admit no fewer at once (admit; 0: as slots free)
         # A step that admits sequences runs the running ones' decode inputs in the same forward as the new prompts
         # (eager or a prefill graph) instead of a decode forward (graph) after it: every weight (every expert of a
@@ -113,7 +113,6 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
             self.waiting.append(seq)
         else:  # ahead of every batch line waiting, behind the interactive requests that came before it
             self.waiting.insert(next((i for i, s in enumerate(self.waiting) if s.batch), len(self.waiting)), seq)
-            self.person_seen = time.monotonic()
         self._wake.set()
 
     def abort(self, error: EngineError) -> None:
