@@ -1342,27 +1342,3 @@ def test_batch_lines_join_smaller_steps_while_people_are_about(engine):
         assert admit(330) == ([330, 331, 332], [])
     finally:
         s.batch_step_tokens, s.person_seen = saved
-
-
-def test_batch_lines_decode_on_every_thread_while_nobody_is_about_and_leave_one_while_people_are():
-    """Three decode threads: batch lines' decodes take all three with nobody about, two while people are (the third
-    waits for a freed slot); none is lost."""
-    from kestrel_backend.runtime.decode_slots import BatchDecodeSlots
-
-    async def run(about: bool) -> int:
-        slots, release, most = BatchDecodeSlots(3, lambda: about), asyncio.Event(), 0
-
-        async def decode():
-            nonlocal most
-            async with slots.slot():
-                most = max(most, slots.running)
-                await release.wait()
-        tasks = [asyncio.ensure_future(decode()) for _ in range(5)]
-        await asyncio.sleep(0.05)
-        release.set()
-        await asyncio.gather(*tasks)
-        assert slots.running == 0
-        return most
-
-    assert asyncio.run(run(False)) == 3
-    assert asyncio.run(run(True)) == 2

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..errors import ApiError
 from ..payloads import Limits
+from ...slots import Slots
 from ..upstream import Upstream
 from .chunking import BatchFileError, split_lines
 from .files import DataFolder
@@ -59,8 +60,9 @@ class BatchWorker:
         self._chunking: set[asyncio.Task] = set()
         self._paused_until = 0.0
         self._finished_lines = 0
-        self.upstream_lines = 0  # of the running ones, those sent and not yet answered
-        self._upstream_free = asyncio.Event()
+        # of the running ones, those sent and not yet answered: lines_per_replica for each ready replica
+        self.upstream_lines = Slots(lambda: self.batch.lines_per_replica * self._ready_replicas(),
+                                    recheck_s=IDLE_POLL_S)
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(loop()) for loop in (self._claim_loop, self._heartbeat, self._sweep_loop)]
@@ -72,31 +74,15 @@ class BatchWorker:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._chunking, *self.running, return_exceptions=True)
 
-    @property
-    def upstream_room(self) -> int:
-        ready = sum(r.ready for r in self.upstream.replicas.values())
-        return self.batch.lines_per_replica * ready - self.upstream_lines
+    def _ready_replicas(self) -> int:
+        return sum(r.ready for r in self.upstream.replicas.values())
 
     @property
     def room(self) -> int:
         """Lines to claim: as many as may go upstream and a share more, ready ahead."""
-        capacity = self.batch.lines_per_replica * sum(r.ready for r in self.upstream.replicas.values())
+        capacity = self.upstream_lines.limit()
         ahead = max(1, capacity // AHEAD_SHARE) if capacity else 0
         return capacity + ahead - len(self.running)
-
-    @contextlib.asynccontextmanager
-    async def _upstream_slot(self):
-        """Waits until fewer lines than the replicas take are upstream (their number follows the ready replicas)."""
-        while self.upstream_room <= 0:
-            self._upstream_free.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._upstream_free.wait(), IDLE_POLL_S)
-        self.upstream_lines += 1
-        try:
-            yield
-        finally:
-            self.upstream_lines -= 1
-            self._upstream_free.set()
 
     async def _claim_loop(self) -> None:
         while True:
@@ -128,7 +114,7 @@ class BatchWorker:
                                                           claim.length))
                 line_id = line.get("id")
                 call = await line_call(line, claim.model, self.limits, self.served)
-                async with self._upstream_slot():
+                async with self.upstream_lines.slot():
                     body = await self._answer(call)
                 result = ok_line(claim.line_index, line_id, line["skill"], call.skill, body)
             except LineError as e:
