@@ -17,9 +17,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from ...slots import Slots
 from ..errors import ApiError
 from ..payloads import Limits
-from ...slots import Slots
 from ..upstream import Upstream
 from .chunking import BatchFileError, split_lines
 from .files import DataFolder
@@ -42,8 +42,8 @@ class BatchMetrics:
                              "the error's code)", ["outcome"], registry=registry)
         self.rate = Gauge("kestrel_gateway_batch_lines_per_second", "Batch lines this gateway finished a second, "
                           "over the last heartbeat", registry=registry)
-        self.in_flight = Gauge("kestrel_gateway_batch_lines_in_flight", "Batch lines this gateway holds: upstream, or read and ready to go",
-                               registry=registry)
+        self.in_flight = Gauge("kestrel_gateway_batch_lines_in_flight", "Batch lines this gateway holds: upstream, "
+                               "or read and ready to go", registry=registry)
         self.disk = Gauge("kestrel_gateway_batch_disk_bytes", "The batch data folder's and the job store's bytes",
                           ["where"], registry=registry)
 
