@@ -1,14 +1,14 @@
 """The package's layers, from its imports (read with ast, function-level imports included): no import circle, and no
 module importing a layer above its own. From the top: the server glue (gateway, the Triton bridge, parity), the engine,
 its configuration and image decoding, the runtime, the skills, the model, the kernels, and the leaves every layer may
-use (errors, data URLs)."""
+use (errors, data URLs, slots)."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kestrel_backend"
 LAYERS = [("gateway", "server", "parity"), ("engine",), ("engine_config", "images"), ("runtime",), ("skills",), ("model",),
-          ("kernels",), ("errors", "data_urls")]
+          ("kernels",), ("errors", "data_urls", "slots")]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 
 
