@@ -1342,3 +1342,32 @@ def test_batch_lines_join_smaller_steps_while_people_are_about(engine):
         assert admit(330) == ([330, 331, 332], [])
     finally:
         s.batch_step_tokens, s.person_seen = saved
+
+
+def test_a_step_that_encodes_a_persons_image_ahead_admits_no_batch_line(engine):
+    """With sequences running and a step budget, a person's request whose image is not encoded yet waits a step
+    (its image is encoded ahead); the batch lines behind it wait too, rather than prefill in that step, which the
+    person's first token would wait for. Without the person, they join."""
+    s = engine.scheduler
+    image = torch.zeros(1, 3, 8, 8)
+
+    def seq(id: int, batch: bool, key: str | None = None) -> Sequence:
+        return Sequence(id, "query", [0] * 8, Generation(), None, capacity=64, batch=batch, image_key=key,
+                        cropped=(image, (1, 1)) if key else None)
+
+    running = seq(400, True)
+    saved = s.max_step_tokens, list(s.running)
+    try:
+        s.max_step_tokens = 16384
+        s.cache.allocate(running.id, running.capacity)
+        s.running.append(running)
+        s.waiting.extend([seq(401, False, "a person's image"), seq(402, True), seq(403, True)])
+        assert s.admit() == [] and [q.id for q in s.waiting] == [401, 402, 403]
+        s.waiting.popleft()
+        assert [q.id for q in s.admit()] == [402, 403]
+    finally:
+        for q in [q for q in s.running if q.id in (400, 402, 403)]:
+            s.running.remove(q)
+            s.cache.free(q.id)
+        s.waiting.clear()
+        s.max_step_tokens = saved[0]

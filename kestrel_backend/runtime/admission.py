@@ -66,8 +66,9 @@ class Admission:
             return []  # a prefill step of a few rows reads every weight (every expert) as one of many would
         while self.waiting and len(self.running) - leaving < self.max_batch_size:
             seq = self.waiting[0]
-            if seq.batch and any(not s.batch for s in new):
-                break  # a step that admits a person's request admits no batch line: its first token comes sooner
+            if seq.batch and any(not s.batch for s in new + deferred):
+                break  # a step that admits a person's request, or encodes its image for the next, admits no batch
+                # line: the person's first token waits for no batch prefill
             keys = self._usable_keys(seq)
             shared = self.prefixes.lookup(keys)
             prefix_cached = len(shared) >= self._prefix_pages
