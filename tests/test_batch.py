@@ -201,6 +201,23 @@ def test_abort_stops_a_job_and_says_how_far_it_got(gateway):
     assert all(r["error"]["code"] == "aborted" for r in results if r["status"] != "ok")
 
 
+def test_a_small_job_of_another_key_is_not_held_back_by_a_large_one(gateway):
+    """Lines are shared between API keys by the lines each has running, not first come first served: a 3-line job
+    of another key, submitted once a 24-line job runs, finishes while the large one is still far from done."""
+    image = b64(png(5))
+    large, small = client(gateway), client(gateway, key="other-key")
+    large_id = submit(large, [{"skill": "query", "image": image, "question": f"Question {i}?", "reasoning": False,
+                               "settings": {"temperature": 0, "max_tokens": 12}} for i in range(24)])
+    try:
+        while large.status(large_id)["progress"]["completed"] < 1:
+            time.sleep(0.05)
+        small_id = submit(small, [{"skill": "caption", "image": image, "settings": GREEDY} for _ in range(3)])
+        assert small.wait(small_id, poll_s=0.05)["progress"]["completed"] == 3
+        assert large.status(large_id)["progress"]["completed"] <= 16  # (first come first served: all 24)
+    finally:
+        large.abort(large_id)
+
+
 def test_a_gateway_killed_mid_job_and_started_again_finishes_it_with_nothing_lost_or_repeated(triton_server,
                                                                                             tmp_path):
     args = ("--batch-lines-per-replica", "2")

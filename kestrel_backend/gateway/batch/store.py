@@ -66,6 +66,25 @@ JOB_STATES = ("chunking", "processing", "completed", "failed", "aborted")  # the
 FINISHED = ("completed", "failed", "aborted")
 
 
+def fair_shares(n: int, live: list, running: dict[str, int], claimable: dict[str, int]) -> dict[str, int]:
+    """How many of n lines to claim from each live job (rows with id and owner, oldest first): one at a time to the API
+    key with the fewest lines running (those given counted; the older job's key first on a tie) that has a line left,
+    and within a key to its oldest job with one left."""
+    left = dict(claimable)
+    shares = {job.id: 0 for job in live}
+    load = {job.owner: running.get(job.owner, 0) for job in live}
+    for _ in range(n):
+        owners = [owner for owner in load if any(left[job.id] for job in live if job.owner == owner)]
+        if not owners:
+            break
+        owner = min(owners, key=lambda o: load[o])  # (min keeps the first of equals: the key of the older job)
+        job = next(job for job in live if job.owner == owner and left[job.id])
+        shares[job.id] += 1
+        left[job.id] -= 1
+        load[owner] += 1
+    return shares
+
+
 def new_id() -> str:
     """A ULID: 48 bits of milliseconds then 80 random bits, in Crockford's base 32, so ids sort by creation time."""
     value = (int(time.time() * 1000) << 80) | secrets.randbits(80)
@@ -217,27 +236,43 @@ class JobStore:
     # lines
 
     def claim(self, holder: str, n: int, lease_s: float) -> list[Claim]:
-        """Up to n lines to run, from the oldest processing jobs: pending ones, and claimed ones whose holder stopped
-        renewing their lease."""
+        """Up to n lines to run: pending ones, and claimed ones whose holder stopped renewing their lease. Shared fairly
+        between the API keys with jobs processing (fair_shares: one key's large job does not hold back another's), each
+        key's oldest job first."""
         now = time.time()
+        claimable = sa.or_(lines.c.state == "pending", sa.and_(lines.c.state == "claimed", lines.c.lease_until < now))
         claimed: list[Claim] = []
         with self.engine.begin() as db:
-            live = list(db.execute(sa.select(jobs.c.id, jobs.c.model, jobs.c.input_path)
+            live = list(db.execute(sa.select(jobs.c.id, jobs.c.owner, jobs.c.model, jobs.c.input_path)
                                    .where(jobs.c.status == "processing").order_by(jobs.c.id)).all())
-            for job_id, model, input_path in live:
-                if len(claimed) >= n:
-                    break
+            if len({job.owner for job in live}) > 1:
+                waiting = {job.id: db.execute(sa.select(sa.func.count()).select_from(  # (n at most: enough to share)
+                    sa.select(lines.c.line_index).where(lines.c.job_id == job.id, claimable).limit(n).subquery()))
+                    .scalar() for job in live}
+                shares = fair_shares(n, live, self._running_by_owner(db, now), waiting)
+            else:
+                shares = {job.id: n for job in live}  # (one key: its oldest job first, the next with what is left)
+            for job in live:
+                want = min(shares[job.id], n - len(claimed))
+                if want <= 0:
+                    continue
                 rows = db.execute(self._locked(
                     sa.select(lines.c.line_index, lines.c.offset, lines.c.length)
-                    .where(lines.c.job_id == job_id, sa.or_(lines.c.state == "pending", sa.and_(
-                        lines.c.state == "claimed", lines.c.lease_until < now)))
-                    .order_by(lines.c.line_index).limit(n - len(claimed)))).all()
-                claimed += [Claim(job_id, r.line_index, r.offset, r.length, model, input_path) for r in rows]
+                    .where(lines.c.job_id == job.id, claimable).order_by(lines.c.line_index).limit(want))).all()
+                claimed += [Claim(job.id, r.line_index, r.offset, r.length, job.model, job.input_path) for r in rows]
             for job_id in {c.job_id for c in claimed}:
                 db.execute(lines.update().where(lines.c.job_id == job_id, lines.c.line_index.in_(
                     [c.line_index for c in claimed if c.job_id == job_id])).values(
                     state="claimed", holder=holder, lease_until=now + lease_s))
         return claimed
+
+    @staticmethod
+    def _running_by_owner(db, now: float) -> dict[str, int]:
+        """Lines claimed under a live lease (by any gateway), by the API key whose job they are."""
+        return dict(db.execute(sa.select(jobs.c.owner, sa.func.count()).select_from(
+            lines.join(jobs, lines.c.job_id == jobs.c.id)).where(
+            lines.c.state == "claimed", lines.c.lease_until >= now, jobs.c.status == "processing").group_by(
+            jobs.c.owner)).all())
 
     def release(self, claim: Claim, holder: str) -> None:
         """A line given back unrun (every replica was full, or the job was aborted): pending again."""
