@@ -273,6 +273,11 @@ class InferenceEngine:
         if reasoning is None:
             reasoning = supports_reasoning(tok)
         self.text_limit.check(sum(len(m.text) for m in messages), "MESSAGES' text")
+        images = sum(len(m.images) for m in messages)
+        image_positions = images * (self.model.config.text.prefix_attn - 1)
+        if image_positions >= self.max_context:  # (refused before any image is decoded or its rows laid out)
+            raise InvalidRequest(f"MESSAGES: its {images} images need {image_positions} positions, more than the "
+                                 f"model's context of {self.max_context}; send fewer images")
         ids, later = chat_prompt(tok, messages, lambda text: self._encode(text, "MESSAGES' text"), reasoning,
                                  self.model.config.text.prefix_attn - 1)
         return await self._submit("chat", first_image(messages), ids, self._settings(settings), stream,

@@ -214,9 +214,13 @@ def test_an_empty_image_among_several_is_refused_not_dropped():
 
 def test_a_conversation_longer_than_the_context_is_refused_naming_the_positions(engine, jpeg):
     long = [{"role": "user", "content": "word " * 3000}]
-    three_images = [{"role": "user", "content": [{"type": "image", "index": 0}] * 2 + [{"type": "text", "text": "?"}]},
-                    {"role": "assistant", "content": "Two."}, {"role": "user", "content": [{"type": "image", "index": 0}]}]
-    for raw in (long, three_images):  # (Moondream 2's 2,048 positions hold two images and some text)
-        with pytest.raises(InvalidRequest, match=r"needs \d+ positions with its images, more than the model's context"):
-            asyncio.run(engine.chat(parse_messages(raw, [jpeg]), False, False, {"max_tokens": 4}))
+    with pytest.raises(InvalidRequest, match=r"needs \d+ positions with its images, more than the model's context"):
+        asyncio.run(engine.chat(parse_messages(long, [jpeg]), False, False, {"max_tokens": 4}))
+    # (Moondream 2's 2,048 positions hold two images and some text; the tiny model's context is its own)
+    images = engine.max_context // (engine.model.config.text.prefix_attn - 1) + 1
+    too_many = [{"role": "user", "content": [{"type": "image", "index": 0}] * images + [{"type": "text", "text": "?"}]}]
+    for attached in ([jpeg], [b"not an image"]):  # (refused before any image is decoded: not a decode error)
+        with pytest.raises(InvalidRequest, match=rf"its {images} images need \d+ positions, more than the model's "
+                                                 "context"):
+            asyncio.run(engine.chat(parse_messages(too_many, attached), False, False, {"max_tokens": 4}))
     assert engine.no_request_holds_pages()
