@@ -160,6 +160,8 @@ def test_an_adapter_is_chosen_by_the_model_name(gateway, png, grpc):
     ("/v1/chat/completions", {"model": "moondream2", "messages": [{"role": "user", "content": "hi"},
                                                                    {"role": "user", "content": "again"}] * 2 +
                               [{"role": "assistant", "content": "x"}]}, None, GATEWAY_KEY, 400, "last message"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [  # (counted before any is decoded)
+        {"type": "image_url", "image_url": {"url": "aGVsbG8="}}] * 17}]}, None, GATEWAY_KEY, 400, "at most 16"),
 ])
 def test_bad_requests_get_a_clear_http_error_and_the_gateway_keeps_serving(gateway, path, body, raw, key, status,
                                                                             words):

@@ -16,6 +16,10 @@ from .errors import ApiError
 from .moondream_api import Call, sse
 from .payloads import Limits, check_text_length, counting_reasoning, flag, image_field, routing_key, with_model
 
+# a conversation's images, counted before any is decoded or fetched: more than any served model's context holds
+# (Moondream 2's takes two, Moondream 3's five); the engine refuses what its context does not hold
+MAX_IMAGES = 16
+
 
 async def parse(body: dict, limits: Limits, served: list[str], priority: str | None = None) -> tuple[Call, str]:
     """-> (the call, the model name to answer with). priority: the engine's (settings.py; the Batch API's lines)."""
@@ -26,6 +30,8 @@ async def parse(body: dict, limits: Limits, served: list[str], priority: str | N
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")
+    if (count := _image_parts(messages)) > MAX_IMAGES:
+        raise ApiError(400, f"messages hold {count} images; a conversation takes at most {MAX_IMAGES}")
     images: list[bytes] = []
     messages = [await _message(i, m, images, limits) for i, m in enumerate(messages)]
     check_text_length(sum(map(_text_chars, messages)), "messages' text", limits)
@@ -35,6 +41,11 @@ async def parse(body: dict, limits: Limits, served: list[str], priority: str | N
     inputs = build_inputs("chat", image=images or None, messages=messages, stream=stream,
                           reasoning=_reasoning(body.get("reasoning")), settings=settings)
     return Call("chat", inputs, routing_key(images[0] if images else None, settings), stream), model
+
+
+def _image_parts(messages: list) -> int:
+    return sum(isinstance(part, dict) and part.get("type") == "image_url" for m in messages
+               if isinstance(m, dict) and isinstance(m.get("content"), list) for part in m["content"])
 
 
 def _settings(body: dict) -> dict | None:
