@@ -274,3 +274,20 @@ def test_client_batch_run_writes_every_image_once_and_resumes_after_an_interrupt
     assert all(r["status"] == "ok" and r["result"]["caption"] for r in results)
     assert results[0]["result"]["caption"] == "answered before"  # (an image already in the file is not sent)
     assert not state.exists()
+
+
+def test_a_line_whose_gateway_no_longer_runs_it_is_not_renewed_and_runs_again(tmp_path):
+    """The heartbeat renews the lines its gateway still runs, not every line it once claimed: a line whose result
+    could not be recorded (the store failed) returns to the pool when its lease lapses, so the job still completes."""
+    from kestrel_backend.gateway.batch.store import JobStore
+
+    store = JobStore(f"sqlite:///{tmp_path / 'batch.db'}")
+    store.create_job("job", "key", "moondream2", 10, str(tmp_path / "input.jsonl"), "gateway", 30)
+    store.add_lines("job", [(0, 5, None), (5, 5, None)], 0)
+    assert store.start_processing("job", "gateway", 2)
+    running, orphaned = store.claim("gateway", 2, lease_s=1)
+    store.renew("gateway", 30, [running])
+    assert store.claim("another gateway", 2, 30) == []
+    time.sleep(1.2)
+    assert [c.line_index for c in store.claim("another gateway", 2, 30)] == [orphaned.line_index]
+    store.close()

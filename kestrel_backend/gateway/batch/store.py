@@ -215,12 +215,16 @@ class JobStore:
                                lease_until=None))
         return self.job(job_id, owner)
 
-    def renew(self, holder: str, lease_s: float) -> None:
-        """Extends the leases of every line and chunking job `holder` has (its heartbeat)."""
+    def renew(self, holder: str, lease_s: float, held: list[Claim]) -> None:
+        """Extends the leases of the lines `holder` still runs (held) and of the jobs it is chunking (its heartbeat). A
+        line it claimed and no longer runs (its result could not be recorded) is not renewed: it runs again once its
+        lease lapses."""
         until = time.time() + lease_s
         with self.engine.begin() as db:
-            db.execute(lines.update().where(lines.c.holder == holder, lines.c.state == "claimed")
-                       .values(lease_until=until))
+            for job_id in {c.job_id for c in held}:
+                db.execute(lines.update().where(lines.c.job_id == job_id, lines.c.line_index.in_(
+                    [c.line_index for c in held if c.job_id == job_id]), lines.c.holder == holder,
+                    lines.c.state == "claimed").values(lease_until=until))
             db.execute(jobs.update().where(jobs.c.holder == holder, jobs.c.status == "chunking")
                        .values(lease_until=until))
 

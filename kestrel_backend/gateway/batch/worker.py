@@ -132,7 +132,12 @@ class BatchWorker:
             except Exception:
                 log.exception("batch line %s/%d failed", claim.job_id, claim.line_index)
                 result = error_line(claim.line_index, line_id, "processing_error", "internal error")
-            status = await asyncio.to_thread(self.store.finish, claim, self.holder, result, self.batch.retention_s)
+            try:
+                status = await asyncio.to_thread(self.store.finish, claim, self.holder, result,
+                                                 self.batch.retention_s)
+            except Exception:  # (no longer renewed, the line runs again once its lease lapses)
+                log.exception("recording batch line %s/%d failed", claim.job_id, claim.line_index)
+                return
         except asyncio.CancelledError:  # the gateway stops, or the job was aborted: back to the pool
             await asyncio.shield(asyncio.to_thread(self.store.release, claim, self.holder))
             raise
@@ -177,7 +182,8 @@ class BatchWorker:
         while True:
             await asyncio.sleep(self.batch.heartbeat_s)
             try:
-                await asyncio.to_thread(self.store.renew, self.holder, self.batch.lease_s)
+                await asyncio.to_thread(self.store.renew, self.holder, self.batch.lease_s,
+                                        list(self.running.values()))
                 gone = await asyncio.to_thread(self.store.finished_since, {c.job_id for c in self.running.values()})
                 for task, claim in list(self.running.items()):
                     if claim.job_id in gone:  # aborted (or expired): its lines in flight are not waited for
