@@ -233,7 +233,8 @@ async def one_http_request(http, url: str, image: bytes, max_tokens: int) -> dic
             if event.get("completed"):
                 metrics = event["metrics"]
                 return {"ttft_ms": ttft * 1000, "latency_ms": (time.perf_counter() - t0) * 1000,
-                        "output_tokens": metrics["output_tokens"], "engine_ttft_ms": metrics["ttft_ms"]}
+                        "output_tokens": metrics["output_tokens"], "engine_ttft_ms": metrics["ttft_ms"],
+                        "engine_prefill_ms": metrics["prefill_time_ms"]}
     raise RuntimeError("the stream ended without a final event")
 
 
