@@ -98,7 +98,8 @@ class Interactive(threading.Thread):
         self.stop.set()
         self.join()
         out = {"requests": len(self.answers)}
-        for key, name in (("ttft_ms", "ttft"), ("engine_ttft_ms", "engine_ttft"), ("engine_prefill_ms", "engine_prefill")):
+        for key, name in (("ttft_ms", "ttft"), ("engine_ttft_ms", "engine_ttft"),
+                          ("engine_prefill_ms", "engine_prefill")):
             values = sorted(answer[key] for answer in self.answers)
             out |= {f"{name}_p50_ms": statistics.median(values),
                     f"{name}_p95_ms": values[min(len(values) - 1, int(0.95 * len(values)))]}
