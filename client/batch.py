@@ -82,9 +82,10 @@ class BatchClient:
     def abort(self, batch_id: str) -> dict:
         return self._json(self.http.delete(f"/v1/batch/{batch_id}"))
 
-    def wait(self, batch_id: str, poll_s: float = 1.0, bar: tqdm | None = None) -> dict:
-        """Until the job has finished; bar (if given) advances by the lines done."""
-        shown = 0
+    def wait(self, batch_id: str, poll_s: float = 1.0, bar: tqdm | None = None, timeout_s: float | None = None) -> dict:
+        """Until the job has finished (a TimeoutError after timeout_s, if given); bar (if given) advances by the lines
+        done."""
+        shown, deadline = 0, None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             status = self.status(batch_id)
             done = status["progress"]["completed"] + status["progress"]["failed"]
@@ -93,6 +94,8 @@ class BatchClient:
                 shown = done
             if status["status"] in FINISHED:
                 return status
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"batch {batch_id} has not finished after {timeout_s:g} s: {status}")
             time.sleep(poll_s)
 
     def results(self, batch_id: str) -> Iterator[dict]:

@@ -73,7 +73,7 @@ def test_a_job_of_mixed_skills_and_bad_lines_answers_every_line_in_order(gateway
              {"id": "segment", "skill": "segment", "image": image, "object": "cat"}]  # (Moondream 3's skill)
     c = client(gateway)
     batch_id = submit(c, lines)
-    status = c.wait(batch_id, poll_s=0.2)
+    status = c.wait(batch_id, poll_s=0.2, timeout_s=120)
     results = list(c.results(batch_id))
 
     assert [r["line_index"] for r in results] == list(range(len(lines)))
@@ -110,7 +110,7 @@ def test_a_job_of_mixed_skills_and_bad_lines_answers_every_line_in_order(gateway
 def test_a_file_the_cloud_would_refuse_fails_its_job_with_the_clouds_code(gateway, content, code):
     c = client(gateway)
     batch_id = c.submit(iter(content.split(b"\n")[:-1]) if content else iter(()))
-    status = c.wait(batch_id, poll_s=0.1)
+    status = c.wait(batch_id, poll_s=0.1, timeout_s=120)
     assert status["status"] == "failed" and status["error"]["code"] == code, status
     with pytest.raises(BatchError, match="409"):
         list(c.results(batch_id))
@@ -137,7 +137,7 @@ def test_a_file_over_one_part_goes_through_the_multipart_upload(gateway):
 
     c = client(gateway, part_bytes=int(PART_MB * 2**20))  # parts of the gateway's limit, a line across two
     batch_id = c.submit(iter(lines))
-    status = c.wait(batch_id, poll_s=0.2)
+    status = c.wait(batch_id, poll_s=0.2, timeout_s=120)
     assert status["status"] == "completed" and status["size"] == len(data)
     assert [r["status"] for r in c.results(batch_id)] == ["ok"] * 6
 
@@ -212,7 +212,7 @@ def test_a_small_job_of_another_key_is_not_held_back_by_a_large_one(gateway):
         while large.status(large_id)["progress"]["completed"] < 1:
             time.sleep(0.05)
         small_id = submit(small, [{"skill": "caption", "image": image, "settings": GREEDY} for _ in range(3)])
-        assert small.wait(small_id, poll_s=0.05)["progress"]["completed"] == 3
+        assert small.wait(small_id, poll_s=0.05, timeout_s=120)["progress"]["completed"] == 3
         assert large.status(large_id)["progress"]["completed"] <= 16  # (first come first served: all 24)
     finally:
         large.abort(large_id)
@@ -235,7 +235,7 @@ def test_a_gateway_killed_mid_job_and_started_again_finishes_it_with_nothing_los
     again = batch_gateway(tmp_path, triton_server["grpc"], *args)
     try:
         c = client(again)
-        status = c.wait(batch_id, poll_s=0.2)
+        status = c.wait(batch_id, poll_s=0.2, timeout_s=120)
         results = list(c.results(batch_id))
     finally:
         again.stop()

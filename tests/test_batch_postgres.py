@@ -73,7 +73,7 @@ def test_two_gateways_share_a_job_and_one_killed_mid_job_loses_nothing(triton_se
         one.proc.wait()
 
         c = client(two)  # the other gateway answers for the job it did not take
-        status = c.wait(batch_id, poll_s=0.2)
+        status = c.wait(batch_id, poll_s=0.2, timeout_s=120)
         results = list(c.results(batch_id))
     finally:
         for g in (one, two):

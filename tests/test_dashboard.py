@@ -88,7 +88,7 @@ def _serve_a_bit_of_everything(gateway) -> None:
     assert status == 400  # (counted by the engine as invalid: the errors panel has data)
     c = client(gateway)
     batch_id = submit(c, [{"skill": "caption", "image": image, "settings": settings}, {"skill": "dance"}])
-    c.wait(batch_id, poll_s=0.2)
+    c.wait(batch_id, poll_s=0.2, timeout_s=120)
 
 
 def _panel_queries():
