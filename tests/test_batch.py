@@ -70,7 +70,9 @@ def test_a_job_of_mixed_skills_and_bad_lines_answers_every_line_in_order(gateway
              {"id": "chat", "skill": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
              {"id": "two images", "skill": "query", "images": [image, b64(png(2))], "question": "Same?",
               "settings": {"max_tokens": 4}},
-             {"id": "segment", "skill": "segment", "image": image, "object": "cat"}]  # (Moondream 3's skill)
+             {"id": "segment", "skill": "segment", "image": image, "object": "cat"},  # (Moondream 3's skill)
+             {"id": "mixed refs", "skill": "query", "image": image, "question": "This?", "reasoning": False,
+              "spatial_refs": [[0.5, 0.5], [0.1, 0.1, 0.2, 0.2]]}]
     c = client(gateway)
     batch_id = submit(c, lines)
     status = c.wait(batch_id, poll_s=0.2, timeout_s=120)
@@ -80,9 +82,9 @@ def test_a_job_of_mixed_skills_and_bad_lines_answers_every_line_in_order(gateway
     assert [r.get("id") for r in results] == [line.get("id") for line in lines]
     codes = [r["error"]["code"] if r["status"] == "error" else "ok" for r in results]
     assert codes == ["ok", "ok", "ok", "image_decode_failed", "unknown_skill", "invalid_request", "invalid_request",
-                     "ok", "ok", "invalid_request"]
+                     "ok", "ok", "invalid_request", "invalid_request"]
     assert "temperature" in results[5]["error"]["message"] and "question" in results[6]["error"]["message"]
-    assert "Moondream 3" in results[9]["error"]["message"]
+    assert "Moondream 3" in results[9]["error"]["message"] and "not a mix" in results[10]["error"]["message"]
     assert {k for r in results if r["status"] == "ok" for k in r["result"]} == {"caption", "answer", "objects",
                                                                                 "message", "reasoning"}
     # a batch line's answer is the interactive API's answer to the same request
@@ -90,7 +92,7 @@ def test_a_job_of_mixed_skills_and_bad_lines_answers_every_line_in_order(gateway
                                      "settings": GREEDY}, {"X-Moondream-Auth": GATEWAY_KEY})
     assert results[0]["result"]["caption"] == interactive["caption"]
 
-    assert status["status"] == "completed" and status["progress"] == {"total": 10, "completed": 5, "failed": 5}
+    assert status["status"] == "completed" and status["progress"] == {"total": 11, "completed": 5, "failed": 6}
     assert status["usage"] == {k: sum(r["usage"][k] for r in results if r["status"] == "ok")
                                for k in ("input_tokens", "output_tokens")}
     assert status["outputs"][0]["url"].endswith(f"/v1/batch/{batch_id}/results")

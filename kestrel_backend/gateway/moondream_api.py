@@ -45,18 +45,26 @@ async def parse(skill: str, body: dict, limits: Limits, served: list[str]) -> Ca
         kw[spec.text] = text
     if spec.reasoning:
         kw.update(reasoning=flag(body, "reasoning"), settings=counting_reasoning(settings))
-    refs = body.get("spatial_refs")
+    refs = spatial_refs_field(body)
     if refs is not None:
-        if not isinstance(refs, list) or not all(isinstance(r, list) and len(r) in (2, 4) and
-                                                 all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                     for v in r) for r in refs):
-            raise ApiError(400, "spatial_refs must be a list of [x, y] points or [x_min, y_min, x_max, y_max] boxes")
-        if len({len(r) for r in refs}) > 1:
-            raise ApiError(400, "spatial_refs must be all points or all boxes, not a mix")
-        kw["spatial_refs"] = refs or None
+        kw["spatial_refs"] = refs
     stream = bool(flag(body, "stream")) and spec.api_streams
     triton_stream = stream and spec.streams  # (segment's events are made from its one result)
     return Call(skill, build_inputs(skill, stream=triton_stream, **kw), routing_key(image, settings), stream)
+
+
+def spatial_refs_field(body: dict) -> list | None:
+    """`spatial_refs`: [x, y] points or [x_min, y_min, x_max, y_max] boxes, not a mix (None: none given)."""
+    refs = body.get("spatial_refs")
+    if refs is None:
+        return None
+    if not isinstance(refs, list) or not all(isinstance(r, list) and len(r) in (2, 4) and
+                                             all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)
+                                             for r in refs):
+        raise ApiError(400, "spatial_refs must be a list of [x, y] points or [x_min, y_min, x_max, y_max] boxes")
+    if len({len(r) for r in refs}) > 1:
+        raise ApiError(400, "spatial_refs must be all points or all boxes, not a mix")
+    return refs or None
 
 
 GAZE_FIELDS = {"image_url", "eye", "face", "model", "variant", "settings"}

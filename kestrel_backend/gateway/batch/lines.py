@@ -60,8 +60,9 @@ async def _single(spec, line: dict, model: str, limits: Limits, served: list[str
     if spec.reasoning:  # (the cloud's batch reasons by default)
         reasoning = flag(line, "reasoning")
         kw.update(reasoning=True if reasoning is None else reasoning, settings=counting_reasoning(settings))
-    if line.get("spatial_refs") is not None:
-        kw["spatial_refs"] = line["spatial_refs"]
+    refs = moondream_api.spatial_refs_field(line)
+    if refs is not None:
+        kw["spatial_refs"] = refs
     return Call(spec.name, build_inputs(spec.name, **kw), routing_key(image, settings), False)
 
 
