@@ -70,12 +70,11 @@ class InferenceEngine:
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
         self.text_limit = TextLimit.for_tokenizer(model.tokenizer, self.max_context)
         self._ids = itertools.count(1)
-        self._decoders = ThreadPoolExecutor(max_workers=config.image_worker_count() + 1,
-                                            thread_name_prefix="kestrel-decode")
+        threads = config.image_worker_count() + 1
+        self._decoders = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kestrel-decode")
         # batch lines' images take every decode thread while nobody is about, all but one while people are: a
         # person's image finds a thread free. (On an H200, 3,000 fresh images over 64 gRPC streams sent as batch lines
         # held to five of six threads at all times: 43.5 req/s; as interactive requests, on all six: 48.5.)
-        threads = config.image_worker_count() + 1
         self._batch_decodes = Slots(lambda: threads - 1 if self.scheduler.people_about() else threads)
         self._decoding: dict[str, asyncio.Future] = {}  # image key -> its crops, while being decoded
         self.adapters = AdapterRegistry(config.adapter_dir, config.max_adapters, config.max_adapter_rank,
@@ -273,13 +272,12 @@ class InferenceEngine:
         if reasoning is None:
             reasoning = supports_reasoning(tok)
         self.text_limit.check(sum(len(m.text) for m in messages), "MESSAGES' text")
-        images = sum(len(m.images) for m in messages)
-        image_positions = images * (self.model.config.text.prefix_attn - 1)
-        if image_positions >= self.max_context:  # (refused before any image is decoded or its rows laid out)
-            raise InvalidRequest(f"MESSAGES: its {images} images need {image_positions} positions, more than the "
+        images, image_rows = sum(len(m.images) for m in messages), self.model.config.text.prefix_attn - 1
+        if images * image_rows >= self.max_context:  # (refused before any image is decoded or its rows laid out)
+            raise InvalidRequest(f"MESSAGES: its {images} images need {images * image_rows} positions, more than the "
                                  f"model's context of {self.max_context}; send fewer images")
         ids, later = chat_prompt(tok, messages, lambda text: self._encode(text, "MESSAGES' text"), reasoning,
-                                 self.model.config.text.prefix_attn - 1)
+                                 image_rows)
         return await self._submit("chat", first_image(messages), ids, self._settings(settings), stream,
                                   reasoning=reasoning, later_images=later)
 

@@ -44,8 +44,12 @@ async def parse(body: dict, limits: Limits, served: list[str], priority: str | N
 
 
 def _image_parts(messages: list) -> int:
-    return sum(isinstance(part, dict) and part.get("type") == "image_url" for m in messages
-               if isinstance(m, dict) and isinstance(m.get("content"), list) for part in m["content"])
+    return sum(_is_image(part) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+               for part in m["content"])
+
+
+def _is_image(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
 
 
 def _settings(body: dict) -> dict | None:
@@ -74,7 +78,7 @@ async def _message(i: int, m, images: list[bytes], limits: Limits):
         return m
     parts = []
     for j, part in enumerate(m["content"]):
-        if isinstance(part, dict) and part.get("type") == "image_url":
+        if _is_image(part):
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             images.append(await image_field(url, limits, f"messages[{i}].content[{j}].image_url"))

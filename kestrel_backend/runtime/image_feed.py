@@ -98,9 +98,10 @@ class ImageFeed:
         window = max(self.max_batch_size - len(self.running), 2, self._ahead_window() if self._slots_full else 0)
         needing: dict[str, Sequence] = {}  # image key -> the first sequence that needs its encode
         head = list(itertools.islice(self.waiting, window))
-        if not all(seq.batch for seq in head):  # a person's request waits: its image alone (the step is short)
-            head = [seq for seq in head if not seq.batch]
-        room = self.step_budget(all(seq.batch for seq in head)) - self._spent
+        people = [seq for seq in head if not seq.batch]
+        if people:  # a person's request waits: its image alone (the step is short)
+            head = people
+        room = self.step_budget(batch=not people) - self._spent
         for seq in head:
             if not self._needs_encode(seq) or seq.image_key in needing:
                 continue

@@ -221,10 +221,7 @@ class JobStore:
         lease lapses."""
         until = time.time() + lease_s
         with self.engine.begin() as db:
-            for job_id in {c.job_id for c in held}:
-                db.execute(lines.update().where(lines.c.job_id == job_id, lines.c.line_index.in_(
-                    [c.line_index for c in held if c.job_id == job_id]), lines.c.holder == holder,
-                    lines.c.state == "claimed").values(lease_until=until))
+            _update_lines(db, held, lines.c.holder == holder, lines.c.state == "claimed", lease_until=until)
             db.execute(jobs.update().where(jobs.c.holder == holder, jobs.c.status == "chunking")
                        .values(lease_until=until))
 
@@ -264,10 +261,7 @@ class JobStore:
                     sa.select(lines.c.line_index, lines.c.offset, lines.c.length)
                     .where(lines.c.job_id == job.id, claimable).order_by(lines.c.line_index).limit(want))).all()
                 claimed += [Claim(job.id, r.line_index, r.offset, r.length, job.model, job.input_path) for r in rows]
-            for job_id in {c.job_id for c in claimed}:
-                db.execute(lines.update().where(lines.c.job_id == job_id, lines.c.line_index.in_(
-                    [c.line_index for c in claimed if c.job_id == job_id])).values(
-                    state="claimed", holder=holder, lease_until=now + lease_s))
+            _update_lines(db, claimed, state="claimed", holder=holder, lease_until=now + lease_s)
         return claimed
 
     @staticmethod
@@ -356,6 +350,13 @@ class JobStore:
     def _locked(self, query):
         """Rows other gateways are claiming are skipped, not waited for (PostgreSQL; SQLite holds its write lock)."""
         return query if self.sqlite else query.with_for_update(skip_locked=True)
+
+
+def _update_lines(db, claims: list[Claim], *where, **values) -> None:
+    """Sets `values` on the rows of these claims' lines where `where` also holds (one statement a job)."""
+    for job_id in {c.job_id for c in claims}:
+        db.execute(lines.update().where(lines.c.job_id == job_id, lines.c.line_index.in_(
+            [c.line_index for c in claims if c.job_id == job_id]), *where).values(**values))
 
 
 def _sqlite_pragmas(connection, _record) -> None:
