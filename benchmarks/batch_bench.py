@@ -9,7 +9,8 @@ has brought before:
 1. gRPC: every image captioned over `streams` gRPC streams at once (triton_bench.py's client): its request rate;
 2. the batch: every image as one line of one job (JSON Lines uploaded in parts), from its upload's completion to the
    job's completion: its line rate;
-3. interactive alone: `interactive` streams of streamed queries through the gateway for --interactive-s: their TTFT;
+3. interactive alone: `interactive` streams of streamed queries through the gateway for --interactive-s (in a process
+   of their own): their TTFT, of the requests whose first chunk is their first token (Interactive.measure says why);
 4. a second job (--images-beside) with the same interactive streams running beside it: their TTFT.
 Goals (issue: the Batch API): the batch at least 95% of the gRPC rate; the interactive TTFT p50 beside it at most
 1.5x its value alone.
@@ -22,10 +23,10 @@ import asyncio
 import base64
 import contextlib
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -61,49 +62,63 @@ async def caption_over_grpc(url: str, images: list[bytes], streams: int, max_tok
             "output_tokens_per_request": sum(tokens) / len(tokens)}
 
 
-class Interactive(threading.Thread):
+class Interactive:
     """`streams` streamed queries through the gateway in a closed loop, each on a fresh image, until stopped: their
     TTFTs as the client sees them, and the engine's (from the request's arrival there, its image decode included) and
     its prefill time (the image's encode and the prompt's prefill): what is left of the client's is the gateway's and
-    tritonserver's."""
+    tritonserver's. In a process of its own: the job's upload (JSON of every image) and its results, read in this
+    process, would otherwise hold up the measuring client's event loop (one interpreter lock)."""
 
     def __init__(self, url: str, images: list[bytes], streams: int, max_tokens: int):
-        super().__init__(daemon=True)
         self.url, self.images, self.streams, self.max_tokens = url, images, streams, max_tokens
-        self.answers: list[dict] = []
-        self.stop = threading.Event()
 
-    def run(self) -> None:
-        asyncio.run(self._loop())
+    def _run(self, stop, answers) -> None:
+        collected: list[dict] = []
+        asyncio.run(self._loop(stop, collected))
+        answers.put(collected)
 
-    async def _loop(self) -> None:
+    async def _loop(self, stop, collected: list[dict]) -> None:
         import httpx
 
         async with httpx.AsyncClient(timeout=600) as http:
             async def stream(k: int) -> None:
                 i = k
-                while not self.stop.is_set():
+                while not stop.is_set():
                     answer = await one_http_request(http, self.url, self.images[i % len(self.images)],
                                                     self.max_tokens)
-                    self.answers.append(answer)
+                    collected.append(answer)
                     i += self.streams
             await asyncio.gather(*[stream(k) for k in range(self.streams)])
 
     def measure(self, seconds: float | None = None, until=None) -> dict:
-        self.start()
+        mp = multiprocessing.get_context("fork")  # (the images go to the child without a copy through a pipe)
+        stop, answers = mp.Event(), mp.Queue()
+        child = mp.Process(target=self._run, args=(stop, answers), daemon=True)
+        child.start()
         if until is not None:
             until()
         else:
             time.sleep(seconds)
-        self.stop.set()
-        self.join()
-        out = {"requests": len(self.answers)}
-        for key, name in (("ttft_ms", "ttft"), ("engine_ttft_ms", "engine_ttft"),
-                          ("engine_prefill_ms", "engine_prefill")):
-            values = sorted(answer[key] for answer in self.answers)
-            out |= {f"{name}_p50_ms": statistics.median(values),
-                    f"{name}_p95_ms": values[min(len(values) - 1, int(0.95 * len(values)))]}
+        stop.set()
+        collected = answers.get(timeout=900)
+        child.join()
+        # With random weights a first token may carry no text (an unfinished character, a special token): the
+        # client's first chunk then waits for later decode steps, longer beside a batch. The TTFT the goal reads is
+        # of the requests whose first chunk is their first token, as a trained model's nearly always is.
+        first = [a for a in collected if a["first_chunk_token"] == 0]
+        out = {"requests": len(collected), "first_chunk_at_first_token": len(first)}
+        out |= percentiles("ttft", [a["ttft_ms"] for a in first])
+        out |= percentiles("ttft_any_first_chunk", [a["ttft_ms"] for a in collected])
+        out |= percentiles("engine_ttft", [a["engine_ttft_ms"] for a in first])
+        out |= percentiles("engine_prefill", [a["engine_prefill_ms"] for a in first])
+        out |= percentiles("outside_engine", [a["ttft_ms"] - a["engine_ttft_ms"] for a in first])
         return out
+
+
+def percentiles(name: str, values: list[float]) -> dict:
+    values = sorted(values)
+    return {f"{name}_p50_ms": statistics.median(values) if values else None,
+            f"{name}_p95_ms": values[min(len(values) - 1, int(0.95 * len(values)))] if values else None}
 
 
 def batch_job(url: str, images: list[bytes], max_tokens: int) -> dict:
@@ -167,11 +182,13 @@ def main() -> int:
     out["batch_over_grpc"] = out["batch"]["lines_per_s"] / out["grpc"]["req_per_s"]
     out["interactive_ttft_p50_ratio"] = (out["interactive_beside_batch"]["ttft_p50_ms"] /
                                          out["interactive_alone"]["ttft_p50_ms"])
+    out["interactive_any_first_chunk_p50_ratio"] = (out["interactive_beside_batch"]["ttft_any_first_chunk_p50_ms"] /
+                                                    out["interactive_alone"]["ttft_any_first_chunk_p50_ms"])
     print(f"batch {out['batch']['lines_per_s']:.1f} lines/s = {out['batch_over_grpc']:.3f} x gRPC "
           f"{out['grpc']['req_per_s']:.1f} req/s (goal >= 0.95); interactive TTFT p50 "
           f"{out['interactive_beside_batch']['ttft_p50_ms']:.0f} ms beside a batch, "
           f"{out['interactive_alone']['ttft_p50_ms']:.0f} ms alone: {out['interactive_ttft_p50_ratio']:.2f}x "
-          "(goal <= 1.5)")
+          f"(goal <= 1.5); of every request, the first chunk's {out['interactive_any_first_chunk_p50_ratio']:.2f}x")
     if a.out:
         a.out.write_text(json.dumps(out, indent=1))
     return 0

@@ -220,20 +220,21 @@ async def one_http_request(http, url: str, image: bytes, max_tokens: int) -> dic
     body = {"image_url": "data:image/jpeg;base64," + base64.b64encode(image).decode(), "question":
             QUESTION, "stream": True, "settings": {"temperature": 0, "max_tokens": max_tokens}}
     t0 = time.perf_counter()
-    ttft = None
+    ttft = first_index = None
     async with http.stream("POST", url + "/v1/query", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"the gateway answered {response.status_code}: {await response.aread()}")
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
             event = json.loads(line[6:])
+            if ttft is None:
+                ttft, first_index = time.perf_counter() - t0, event.get("token_index")
             if event.get("completed"):
                 metrics = event["metrics"]
                 return {"ttft_ms": ttft * 1000, "latency_ms": (time.perf_counter() - t0) * 1000,
                         "output_tokens": metrics["output_tokens"], "engine_ttft_ms": metrics["ttft_ms"],
+                        "first_chunk_token": first_index,
                         "engine_prefill_ms": metrics["prefill_time_ms"]}
     raise RuntimeError("the stream ended without a final event")
 
