@@ -4,7 +4,7 @@ writes the new k/v; and grouped_attention for 64 rows on one shared image prefix
 fresh 742-token prompts with our mask (the 730-position image prefix sees itself whole, the text causally; ours:
 prefill_attention, which also writes the k/v into the paged cache; flashinfer's ragged prefill with that mask as a
 custom mask, and causal without one as its bound). flashinfer's plan() runs once, outside the timing, as it would
-once a step. Each flashinfer output is checked against torch's attention on the same inputs. Microseconds a layer.
+once a step. Each flashinfer output is checked against torch's attention on the same inputs. Microseconds a layer, each call one of 20 in a CUDA graph.
 
     python benchmarks/experiments/flashinfer_attention.py [--out flashinfer_attention.json]
 """
@@ -34,6 +34,23 @@ PROMPT, IMAGE_PREFIX = 742, 730  # a fresh prompt's positions; its image prefix 
 WORKSPACE = 256 * 2**20
 
 
+def graphed(fn, reps: int = 20) -> float:
+    """Microseconds of one fn() on the GPU: reps calls captured in one CUDA graph, as the engine runs its steps (a
+    call timed alone would time its launch from Python)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+    except RuntimeError:  # (not capturable: the calls back to back, launched from Python)
+        torch.cuda.synchronize()
+        return timed(lambda: [fn() for _ in range(reps)]) * 1e3 / reps
+    return timed(graph.replay) * 1e3 / reps
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return round(float((a.float() - b.float()).norm() / b.float().norm()), 5)
 
@@ -52,16 +69,16 @@ def decode(fi, rows: int, length: int, sharing: str) -> dict:
     slots = (tables[:, (length - 1) // PAGE].long() * PAGE + (length - 1) % PAGE).int()
     qkv = torch.randn(rows, 3 * HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     cos, sin = torch.rand(rows, ROPE_HALF, device="cuda"), torch.rand(rows, ROPE_HALF, device="cuda")
-    us = {"ours, per-row kernel (rope and k/v write included)": timed(lambda: dk.rotary_paged_attention(
-        qkv, cos, sin, k_cache, v_cache, tables, lens, slots, HEADS, PAGE)) * 1e3}
+    us = {"ours, per-row kernel (rope and k/v write included)": graphed(lambda: dk.rotary_paged_attention(
+        qkv, cos, sin, k_cache, v_cache, tables, lens, slots, HEADS, PAGE))}
     heads = qkv.view(rows, 3 * HEADS, HEAD_DIM)
     if sharing == "all":
         groups, shared = np.zeros((rows, GROUP), np.int32), np.zeros(rows, np.int32)
         group_rows(tables.cpu().numpy(), np.full(rows, length - 1), PAGE, groups, shared)
         groups, shared = torch.from_numpy(groups).cuda(), torch.from_numpy(shared).cuda()
-        us["ours, grouped (rope and k/v write included)"] = timed(lambda: grouped_attention(
+        us["ours, grouped (rope and k/v write included)"] = graphed(lambda: grouped_attention(
             heads[:, :HEADS], heads[:, HEADS:2 * HEADS], heads[:, 2 * HEADS:], k_cache, v_cache, tables, lens, slots,
-            groups, shared, PAGE, cos, sin)) * 1e3
+            groups, shared, PAGE, cos, sin))
     q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)  # (taken as rotated already)
     n_pages = -(-length // PAGE)
     indptr = torch.arange(rows + 1, dtype=torch.int32, device="cuda") * n_pages
@@ -72,7 +89,7 @@ def decode(fi, rows: int, length: int, sharing: str) -> dict:
     wrapper.plan(indptr, indices, last, HEADS, HEADS, HEAD_DIM, PAGE, q_data_type=torch.bfloat16,
                  kv_data_type=torch.bfloat16)
     out = wrapper.run(q, paged)
-    us["flashinfer decode (attention alone)"] = timed(lambda: wrapper.run(q, paged)) * 1e3
+    us["flashinfer decode (attention alone)"] = graphed(lambda: wrapper.run(q, paged))
     positions = torch.arange(length, device="cuda")
     rows_of = tables[:, positions // PAGE].long() * PAGE + positions % PAGE  # [rows, length] cache rows
     k, v = k_cache[rows_of], v_cache[rows_of]  # [rows, length, H, D]
@@ -99,8 +116,8 @@ def prefill(fi, sequences: int) -> dict:
                          for tile in range(-(-PROMPT // pa.BLOCK_M))], dtype=torch.int32, device="cuda").reshape(-1)
     context = torch.zeros(1, dtype=torch.long, device="cuda")
     ours = pa.prefill_attention(q, k, v, k_cache, v_cache, slots, work, context)
-    us = {"ours (k/v write included)": timed(lambda: pa.prefill_attention(q, k, v, k_cache, v_cache, slots, work,
-                                                                            context)) * 1e3}
+    us = {"ours (k/v write included)": graphed(lambda: pa.prefill_attention(q, k, v, k_cache, v_cache, slots, work,
+                                                                            context))}
     qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
     indptr = torch.arange(sequences + 1, dtype=torch.int32, device="cuda") * PROMPT
     mask = our_mask(PROMPT, IMAGE_PREFIX)
@@ -112,7 +129,7 @@ def prefill(fi, sequences: int) -> dict:
                                                           "NHD")
         wrapper.plan(indptr, indptr, HEADS, HEADS, HEAD_DIM, q_data_type=torch.bfloat16, **kwargs)
         out[name] = wrapper.run(qc, kc, vc)
-        us[name] = timed(lambda: wrapper.run(qc, kc, vc)) * 1e3
+        us[name] = graphed(lambda: wrapper.run(qc, kc, vc))
     s0 = slice(0, PROMPT)
     reference = torch.nn.functional.scaled_dot_product_attention(
         *(x[s0].transpose(0, 1)[None].float() for x in (q, k, v)), attn_mask=mask.cuda())[0].transpose(0, 1)
