@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import timed  # noqa: E402
+from benchmarks.common import graph_timed  # noqa: E402
 from benchmarks.experiments.decode_attention import HEAD_DIM, HEADS, PAGE, ROPE_HALF, tables_for  # noqa: E402
 from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
 from kestrel_backend.kernels import prefill_attention as pa  # noqa: E402
@@ -34,21 +34,10 @@ PROMPT, IMAGE_PREFIX = 742, 730  # a fresh prompt's positions; its image prefix 
 WORKSPACE = 256 * 2**20
 
 
-def graphed(fn, reps: int = 20) -> float:
-    """Microseconds of one fn() on the GPU: reps calls captured in one CUDA graph, as the engine runs its steps (a
-    call timed alone would time its launch from Python)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-    except RuntimeError:  # (not capturable: the calls back to back, launched from Python)
-        torch.cuda.synchronize()
-        return timed(lambda: [fn() for _ in range(reps)]) * 1e3 / reps
-    return timed(graph.replay) * 1e3 / reps
+def graphed(fn) -> float:
+    """Microseconds of one fn() on the GPU: calls captured in one CUDA graph, as the engine runs its steps (a call
+    timed alone would time its launch from Python)."""
+    return graph_timed(fn, calls=20) * 1e3
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,6 +1,7 @@
 """Tile sweep for the fused decode kernels at full-size Moondream 2 shapes (GPU only).
 
     python benchmarks/experiments/tune_decode_kernels.py --out tune.json [--batches 1,8,64,128]
+    python benchmarks/experiments/tune_decode_kernels.py --attention --out attention.json  (its tiles swept)
 
 For each batch size and kernel (layer norm + qkv + fc1/GELU; out-projection + fc2 + residual; final
 norm + LM head) it times every tile configuration and the cuBLAS ops the kernel replaces, as CUDA
@@ -101,11 +102,65 @@ def attention_times() -> list[dict]:
     return rows
 
 
+def attention_sweep() -> list[dict]:
+    """The attention kernel's keys a block, warps, pipeline stages and context splits, each (batch, context) with
+    pages scattered over the cache as the free list leaves them: the five best and the default's time."""
+    from kestrel_backend.model.config import TextConfig
+
+    cfg, page, out = TextConfig(), 16, []
+    for bsz, ctx in ((1, 64), (1, 800), (16, 800), (64, 64), (64, 800)):
+        pages = -(-(ctx + 1) // page)
+        k = torch.randn((bsz * pages + 1) * page, cfg.n_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        tables = torch.randperm(bsz * pages, device="cuda").to(torch.int32).view(bsz, pages)
+        lens = torch.full((bsz,), ctx + 1, device="cuda", dtype=torch.int32)
+        slots = (tables[:, ctx // page].long() * page + ctx % page).int()
+        qkv = torch.randn(bsz, 3 * cfg.dim, device="cuda", dtype=torch.bfloat16)
+        half = cfg.rope_dim // 2
+        cos, sin = torch.rand(bsz, half, device="cuda"), torch.rand(bsz, half, device="cuda")
+        default_splits = dk.context_splits(bsz, cfg.n_heads)
+
+        def call(block, warps, stages, splits):
+            out_, part_ml, part_acc = dk._attention_buffers(qkv, cfg.n_heads, cfg.head_dim, splits)
+            launch = dk.pdl_launch(qkv.device, bsz)
+
+            def run():
+                dk._rotary_paged_attention_kernel[(bsz, cfg.n_heads, splits)](
+                    qkv, qkv.stride(0), cos, sin, k, v, tables, lens, slots, out_, part_ml, part_acc,
+                    tables.stride(0), cfg.head_dim ** -0.5, H=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim,
+                    HALF=half, PAGE=page, BLOCK_N=block, SPLITS=splits, num_warps=warps,
+                    num_stages=stages, **launch)
+                if splits > 1:
+                    dk._combine_splits_kernel[(bsz * cfg.n_heads,)](part_ml, part_acc, out_, D=cfg.head_dim,
+                                                                   SPLITS=splits, num_warps=1, **launch)
+            return graph_timed(run, calls=20) * 1000
+
+        results = []
+        for block, warps, stages, splits in itertools.product((64, 128, 256), (2, 4, 8), (1, 2, 3),
+                                                               sorted({1, 2, 4, default_splits})):
+            try:
+                results.append((call(block, warps, stages, splits), (block, warps, stages, splits)))
+            except Exception as e:  # e.g. out of shared memory or registers
+                print(f"  attention {bsz}x{ctx} {(block, warps, stages, splits)}: {type(e).__name__}", flush=True)
+        results.sort()
+        default = (dk.ATTENTION_KV_BLOCK, 4, 3, default_splits)
+        out.append({"batch": bsz, "context": ctx, "default (block, warps, stages, splits)": default,
+                    "default_us": round(call(*default), 2),
+                    "kv_GBps_best": round(bsz * (ctx + 1) * 2 * cfg.dim * 2 / results[0][0] / 1e3, 1),
+                    "top5": [(round(us, 2), t) for us, t in results[:5]]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="tune.json")
     p.add_argument("--batches", default="1,2,4,8,16,64,128")
+    p.add_argument("--attention", action="store_true", help="only the attention kernel's tiles, swept")
     args = p.parse_args()
+    if args.attention:
+        Path(args.out).write_text(json.dumps({"attention_sweep": attention_sweep()}, indent=1))
+        return 0
     out = {"attention": attention_times(), "linear": []}
     for m in [int(b) for b in args.batches.split(",")]:
         for name, (fused, ref, weight_bytes, n_sizes) in cases(m).items():
