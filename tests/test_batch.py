@@ -300,3 +300,27 @@ def test_a_line_whose_gateway_no_longer_runs_it_is_not_renewed_and_runs_again(tm
     time.sleep(1.2)
     assert [c.line_index for c in store.claim("another gateway", 2, 30)] == [orphaned.line_index]
     store.close()
+
+
+
+def test_a_claim_among_many_live_jobs_counts_the_lines_of_few_and_shares_fairly(tmp_path):
+    """Two API keys, one with 200 jobs of 2 lines processing, the other with one: a claim of 8 lines gives the second
+    key both its lines and the first its oldest jobs' (one at a time to the key with fewer running), and counts the
+    claimable lines of the 4 jobs it takes from, not of all 201 (a query each, on every claim)."""
+    import sqlalchemy as sa
+
+    from kestrel_backend.gateway.batch.store import JobStore
+
+    store = JobStore(f"sqlite:///{tmp_path / 'batch.db'}")
+    for i in range(201):
+        job_id, key = (f"job{i:03d}", "many") if i < 200 else ("last", "one")
+        store.create_job(job_id, key, "moondream2", 10, str(tmp_path / "input.jsonl"), "gateway", 30)
+        store.add_lines(job_id, [(0, 5, None), (5, 5, None)], 0)
+        assert store.start_processing(job_id, "gateway", 2)
+    statements = []
+    sa.event.listen(store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    claimed = store.claim("gateway", 8, 30)
+    assert sorted((c.job_id, c.line_index) for c in claimed) == [
+        (job, line) for job in ("job000", "job001", "job002", "last") for line in (0, 1)]
+    assert sum("count(" in statement.lower() for statement in statements) == 1 + 4  # (the lines running by key)
+    store.close()

@@ -66,19 +66,32 @@ JOB_STATES = ("chunking", "processing", "completed", "failed", "aborted")  # the
 FINISHED = ("completed", "failed", "aborted")
 
 
-def fair_shares(n: int, live: list, running: dict[str, int], claimable: dict[str, int]) -> dict[str, int]:
+def fair_shares(n: int, live: list, running: dict[str, int], claimable) -> dict[str, int]:
     """How many of n lines to claim from each live job (rows with id and owner, oldest first): one at a time to the API
     key with the fewest lines running (those given counted; the older job's key first on a tie) that has a line left,
-    and within a key to its oldest job with one left."""
-    left = dict(claimable)
+    and within a key to its oldest job with one left. claimable(job id): that job's claimable lines (n at most), asked
+    once a job and only while the key's older jobs have none left: a claim among hundreds of live jobs asks about a
+    few of them, not every one."""
+    jobs_of: dict[str, list] = {}
+    for job in live:
+        jobs_of.setdefault(job.owner, []).append(job)  # (keys in the order of their oldest job)
+    left: dict[str, int] = {}
+
+    def oldest_with_lines(owner: str):
+        for job in jobs_of[owner]:
+            if job.id not in left:
+                left[job.id] = claimable(job.id)
+            if left[job.id]:
+                return job
+        return None
+
     shares = {job.id: 0 for job in live}
-    load = {job.owner: running.get(job.owner, 0) for job in live}
+    load = {owner: running.get(owner, 0) for owner in jobs_of}
     for _ in range(n):
-        owners = [owner for owner in load if any(left[job.id] for job in live if job.owner == owner)]
-        if not owners:
+        candidates = [(owner, job) for owner in jobs_of if (job := oldest_with_lines(owner)) is not None]
+        if not candidates:
             break
-        owner = min(owners, key=lambda o: load[o])  # (min keeps the first of equals: the key of the older job)
-        job = next(job for job in live if job.owner == owner and left[job.id])
+        owner, job = min(candidates, key=lambda c: load[c[0]])  # (min keeps the first of equals)
         shares[job.id] += 1
         left[job.id] -= 1
         load[owner] += 1
@@ -247,9 +260,9 @@ class JobStore:
             live = list(db.execute(sa.select(jobs.c.id, jobs.c.owner, jobs.c.model, jobs.c.input_path)
                                    .where(jobs.c.status == "processing").order_by(jobs.c.id)).all())
             if len({job.owner for job in live}) > 1:
-                waiting = {job.id: db.execute(sa.select(sa.func.count()).select_from(  # (n at most: enough to share)
-                    sa.select(lines.c.line_index).where(lines.c.job_id == job.id, claimable).limit(n).subquery()))
-                    .scalar() for job in live}
+                def waiting(job_id: str) -> int:  # (n at most: enough to share)
+                    return db.execute(sa.select(sa.func.count()).select_from(sa.select(lines.c.line_index).where(
+                        lines.c.job_id == job_id, claimable).limit(n).subquery())).scalar()
                 shares = fair_shares(n, live, self._running_by_owner(db, now), waiting)
             else:
                 shares = {job.id: n for job in live}  # (one key: its oldest job first, the next with what is left)
