@@ -324,3 +324,21 @@ def test_a_claim_among_many_live_jobs_counts_the_lines_of_few_and_shares_fairly(
         (job, line) for job in ("job000", "job001", "job002", "last") for line in (0, 1)]
     assert sum("count(" in statement.lower() for statement in statements) == 1 + 4  # (the lines running by key)
     store.close()
+
+
+def test_the_data_folders_bound_counts_parts_let_in_before_they_are_written(tmp_path, monkeypatch):
+    """Parts let in but not yet written count against --batch-max-disk-gb (the folder is walked at most once a
+    second, not at each part): a burst of parts cannot pass the bound between two walks."""
+    from kestrel_backend.gateway.batch import files
+    from kestrel_backend.gateway.batch.limits import BatchLimits
+    from kestrel_backend.gateway.errors import ApiError
+
+    folder = files.DataFolder(tmp_path, BatchLimits(max_disk_bytes=1000))
+    (tmp_path / "inputs" / "job.jsonl").write_bytes(b"x" * 400)
+    folder.check_room(500)
+    with pytest.raises(ApiError) as refused:
+        folder.check_room(200)  # (400 on disk, 500 on their way)
+    assert refused.value.status == 507 and refused.value.code == "limit_exceeded"
+    (tmp_path / "uploads" / "part").write_bytes(b"x" * 500)
+    monkeypatch.setattr(files, "USAGE_TTL_S", 0.0)
+    assert folder.bytes_used() == 900  # (walked again: the part is on disk, no longer counted twice)

@@ -8,10 +8,17 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 from .limits import BatchLimits
 from ..errors import ApiError
+
+
+# How old the folder's walked size may be: an upload of 10,000 parts would otherwise walk every part so far (and
+# its etag) at each part, and the metrics at each heartbeat
+USAGE_TTL_S = 1.0
 
 
 class DataFolder:
@@ -19,6 +26,8 @@ class DataFolder:
         self.root, self.limits = Path(root), limits
         (self.root / "uploads").mkdir(parents=True, exist_ok=True)
         (self.root / "inputs").mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._walked, self._walked_at, self._admitted = 0, float("-inf"), 0  # (admitted: since the last walk)
 
     def part_path(self, file_id: str, number: int) -> Path:
         return self.root / "uploads" / file_id / f"{number:05d}.part"
@@ -27,15 +36,26 @@ class DataFolder:
         return self.root / "inputs" / f"{job_id}.jsonl"
 
     def check_room(self, incoming: int) -> None:
-        """Refuses what would take the folder over its bound (--batch-max-disk-gb)."""
-        used = self.bytes_used()
-        if used + incoming > self.limits.max_disk_bytes:
-            raise ApiError(507, f"the batch data folder holds {used} bytes; {incoming} more would pass its "
-                                f"{self.limits.max_disk_bytes} byte bound; retry when running jobs have finished",
-                           code="limit_exceeded")
+        """Refuses what would take the folder over its bound (--batch-max-disk-gb); what it lets in counts until the
+        next walk of the folder sees it written."""
+        with self._lock:
+            used = self._bytes_used()
+            if used + incoming > self.limits.max_disk_bytes:
+                raise ApiError(507, f"the batch data folder holds {used} bytes; {incoming} more would pass its "
+                                    f"{self.limits.max_disk_bytes} byte bound; retry when running jobs have finished",
+                               code="limit_exceeded")
+            self._admitted += incoming
 
     def bytes_used(self) -> int:
-        return sum(f.stat().st_size for f in self.root.rglob("*") if f.is_file())
+        """The folder's bytes as last walked (at most USAGE_TTL_S ago), and those admitted since."""
+        with self._lock:
+            return self._bytes_used()
+
+    def _bytes_used(self) -> int:
+        if time.monotonic() - self._walked_at > USAGE_TTL_S:
+            self._walked = sum(f.stat().st_size for f in self.root.rglob("*") if f.is_file())
+            self._walked_at, self._admitted = time.monotonic(), 0
+        return self._walked + self._admitted
 
     def open_part(self, file_id: str, number: int):
         """(a file open for writing the part, a running md5): the caller writes, then commit_part."""
