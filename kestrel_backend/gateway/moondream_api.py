@@ -33,24 +33,32 @@ class Call:
 async def parse(skill: str, body: dict, limits: Limits, served: list[str]) -> Call:
     spec = SKILLS[skill]
     known_fields(body, FIELDS[skill])
-    settings = with_model(body, settings_field(body), served)
+    stream = bool(flag(body, "stream")) and spec.api_streams
+    return await skill_call(spec, body, with_model(body, settings_field(body), served), limits, "image_url",
+                            stream=stream, triton_stream=stream and spec.streams)  # (segment's events: from its result)
+
+
+async def skill_call(spec, body: dict, settings: dict | None, limits: Limits, image_key: str,
+                     reasoning_default: bool | None = None, stream: bool = False, triton_stream: bool = False) -> Call:
+    """A skill's call from a body whose fields are already checked: the image (under image_key), the skill's text,
+    reasoning (reasoning_default where the body has none; None: the skill's), spatial_refs. Also a batch line's."""
     image = None
-    if spec.image == "required" or body.get("image_url") is not None:
-        if body.get("image_url") is None:
-            raise ApiError(400, "image_url is required")
-        image = await image_field(body["image_url"], limits)
+    if spec.image == "required" or body.get(image_key) is not None:
+        if body.get(image_key) is None:
+            raise ApiError(400, f"{image_key} is required")
+        image = await image_field(body[image_key], limits, image_key)
     kw = dict(image=image, settings=settings)
     text = text_field(body, spec.text, limits, required=spec.text_required)
     if text is not None:
         kw[spec.text] = text
     if spec.reasoning:
-        kw.update(reasoning=flag(body, "reasoning"), settings=counting_reasoning(settings))
+        reasoning = flag(body, "reasoning")
+        kw.update(reasoning=reasoning_default if reasoning is None else reasoning,
+                  settings=counting_reasoning(settings))
     refs = spatial_refs_field(body)
     if refs is not None:
         kw["spatial_refs"] = refs
-    stream = bool(flag(body, "stream")) and spec.api_streams
-    triton_stream = stream and spec.streams  # (segment's events are made from its one result)
-    return Call(skill, build_inputs(skill, stream=triton_stream, **kw), routing_key(image, settings), stream)
+    return Call(spec.name, build_inputs(spec.name, stream=triton_stream, **kw), routing_key(image, settings), stream)
 
 
 def spatial_refs_field(body: dict) -> list | None:

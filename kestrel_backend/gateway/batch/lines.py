@@ -12,13 +12,11 @@ request first.
 
 from __future__ import annotations
 
-from client import build_inputs
 from ...skills.catalog import SKILLS
 from .. import moondream_api, openai_chat
 from ..errors import ApiError
 from ..moondream_api import Call
-from ..payloads import (Limits, counting_reasoning, flag, image_field, known_fields, routing_key, settings_field,
-                        text_field, with_model)
+from ..payloads import Limits, known_fields, settings_field, text_field, with_model
 
 PRIORITY = "batch"
 
@@ -48,22 +46,8 @@ async def _single(spec, line: dict, model: str, limits: Limits, served: list[str
     known_fields(line, {"id", "skill", "image", "settings", "spatial_refs", spec.text} |
                  ({"reasoning"} if spec.reasoning else set()))
     settings = _batch(with_model({"model": model}, settings_field(line), served))
-    image = None
-    if spec.image == "required" or line.get("image") is not None:
-        if line.get("image") is None:
-            raise ApiError(400, "image is required")
-        image = await image_field(line["image"], limits, "image")
-    kw = dict(image=image, settings=settings)
-    text = text_field(line, spec.text, limits, required=spec.text_required)
-    if text is not None:
-        kw[spec.text] = text
-    if spec.reasoning:  # (the cloud's batch reasons by default)
-        reasoning = flag(line, "reasoning")
-        kw.update(reasoning=True if reasoning is None else reasoning, settings=counting_reasoning(settings))
-    refs = moondream_api.spatial_refs_field(line)
-    if refs is not None:
-        kw["spatial_refs"] = refs
-    return Call(spec.name, build_inputs(spec.name, **kw), routing_key(image, settings), False)
+    return await moondream_api.skill_call(spec, line, settings, limits, "image",
+                                          reasoning_default=True)  # (the cloud's batch reasons by default)
 
 
 async def _conversation(line: dict, model: str, limits: Limits, served: list[str]) -> Call:
