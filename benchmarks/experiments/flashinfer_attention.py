@@ -1,10 +1,12 @@
 """flashinfer's attention against ours at Moondream 2's shapes (GPU only; flashinfer installed): decode of 1, 16 and
 64 rows over 64 and 776 positions (ours: decode_kernels.rotary_paged_attention, which also rotates q and k and
-writes the new k/v; and grouped_attention for 64 rows on one shared image prefix), and the prefill of 1, 5 and 16
-fresh 742-token prompts with our mask (the 730-position image prefix sees itself whole, the text causally; ours:
-prefill_attention, which also writes the k/v into the paged cache; flashinfer's ragged prefill with that mask as a
-custom mask, and causal without one as its bound). flashinfer's plan() runs once, outside the timing, as it would
-once a step. Each flashinfer output is checked against torch's attention on the same inputs. Microseconds a layer, each call one of 20 in a CUDA graph.
+writes the new k/v, and grouped_attention for 64 rows on one shared image prefix; flashinfer's decode on CUDA cores
+and on tensor cores), and the prefill of 1, 5 and 16 fresh 742-token prompts with our mask (the 730-position image
+prefix sees itself whole, the text causally; ours: prefill_attention, which also writes the k/v into the paged cache;
+flashinfer's ragged prefill with that mask as a custom mask, as two calls (prefixes whole, then tails causal), and
+causal alone as its bound). flashinfer's plan() runs once, outside the timing, as it would once a step. Outputs are
+checked against torch's attention on the same inputs. Microseconds a layer, each call one of 20 in a CUDA graph.
+Results: PERFORMANCE.md, What we tried (h200_2026-11-29_attention.json).
 
     python benchmarks/experiments/flashinfer_attention.py [--out flashinfer_attention.json]
 """

@@ -143,7 +143,7 @@ def attention_sweep() -> list[dict]:
             except Exception as e:  # e.g. out of shared memory or registers
                 print(f"  attention {bsz}x{ctx} {(block, warps, stages, splits)}: {type(e).__name__}", flush=True)
         results.sort()
-        default = (dk.ATTENTION_KV_BLOCK, 4, 3, default_splits)  # (num_warps and num_stages as rotary_paged_attention launches)
+        default = (dk.ATTENTION_KV_BLOCK, 4, 3, default_splits)  # (as rotary_paged_attention launches it)
         out.append({"batch": bsz, "context": ctx, "default (block, warps, stages, splits)": default,
                     "default_us": round(call(*default), 2),
                     "kv_GBps_best": round(bsz * (ctx + 1) * 2 * cfg.dim * 2 / results[0][0] / 1e3, 1),
