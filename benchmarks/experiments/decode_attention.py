@@ -32,9 +32,10 @@ HEADS, HEAD_DIM, ROPE_HALF, PAGE = 32, 64, 16, 16
 LENGTH, PREFIX = 776, 720  # positions a row (its new token included); the image prefix's whole pages
 
 
-def tables_for(rows: int, sharing: str) -> tuple[torch.Tensor, int]:
-    """Page tables: each row's own pages after the prefix's, shared by no rows, pairs or all. -> (tables, pages)."""
-    per_row, prefix_pages = -(-LENGTH // PAGE), PREFIX // PAGE
+def tables_for(rows: int, sharing: str, length: int = LENGTH) -> tuple[torch.Tensor, int]:
+    """Page tables of rows at `length` positions: each row's own pages after the prefix's (PREFIX, or the whole row if
+    shorter), shared by no rows, pairs or all. -> (tables, pages)."""
+    per_row, prefix_pages = -(-length // PAGE), min(PREFIX, length) // PAGE
     tables, prefixes, next_page = [], {}, 0
     for row in range(rows):
         key = {"none": row, "pairs": row // 2, "all": 0}[sharing]
@@ -47,17 +48,26 @@ def tables_for(rows: int, sharing: str) -> tuple[torch.Tensor, int]:
     return perm[torch.tensor(tables)].to(torch.int32).cuda(), next_page + 1
 
 
+def decode_inputs(tables: torch.Tensor, pages: int, length: int) -> tuple[torch.Tensor, ...]:
+    """The per-row kernel's inputs for rows at `length` positions (the new token's included) over these page tables:
+    random caches of `pages` pages, the rows' lengths and their new tokens' cache rows, random qkv rows and rope
+    angles -> (k_cache, v_cache, lens, slots, qkv, cos, sin)."""
+    rows = tables.shape[0]
+    k_cache = torch.randn(pages * PAGE, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    lens = torch.full((rows,), length, dtype=torch.int32, device="cuda")
+    slots = (tables[:, (length - 1) // PAGE].long() * PAGE + (length - 1) % PAGE).int()
+    qkv = torch.randn(rows, 3 * HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    cos, sin = torch.rand(rows, ROPE_HALF, device="cuda"), torch.rand(rows, ROPE_HALF, device="cuda")
+    return k_cache, v_cache, lens, slots, qkv, cos, sin
+
+
 TILES = [(64, 2, 4), (64, 3, 4), (64, 4, 4), (32, 4, 4), (128, 2, 4), (128, 3, 4), (64, 2, 8)]
 
 
 def measure(rows: int, sharing: str, tiles: bool = False) -> dict:
     tables, pages = tables_for(rows, sharing)
-    k_cache = torch.randn(pages * PAGE, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
-    lens = torch.full((rows,), LENGTH, dtype=torch.int32, device="cuda")
-    slots = (tables[:, (LENGTH - 1) // PAGE].long() * PAGE + (LENGTH - 1) % PAGE).int()
-    qkv = torch.randn(rows, 3 * HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    cos, sin = torch.rand(rows, ROPE_HALF, device="cuda"), torch.rand(rows, ROPE_HALF, device="cuda")
+    k_cache, v_cache, lens, slots, qkv, cos, sin = decode_inputs(tables, pages, LENGTH)
     groups, shared = np.zeros((rows, GROUP), np.int32), np.zeros(rows, np.int32)
     n_groups = group_rows(tables.cpu().numpy(), np.full(rows, LENGTH - 1), PAGE, groups, shared)
     groups, shared = torch.from_numpy(groups).cuda(), torch.from_numpy(shared).cuda()

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import graph_timed  # noqa: E402
-from benchmarks.experiments.decode_attention import HEAD_DIM, HEADS, PAGE, ROPE_HALF, tables_for  # noqa: E402
+from benchmarks.experiments.decode_attention import HEAD_DIM, HEADS, PAGE, decode_inputs, tables_for  # noqa: E402
 from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
 from kestrel_backend.kernels import prefill_attention as pa  # noqa: E402
 from kestrel_backend.kernels.grouped_attention import GROUP, group_rows, grouped_attention  # noqa: E402
@@ -47,19 +47,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def decode(fi, rows: int, length: int, sharing: str) -> dict:
-    per_row_pages = -(-length // PAGE)
-    if sharing == "all":
-        tables, pages = tables_for(rows, "all")  # (776 positions, 720 of them a shared prefix)
-    else:
-        perm = torch.randperm(rows * per_row_pages + 1)
-        tables = perm[torch.arange(rows * per_row_pages).view(rows, per_row_pages)].to(torch.int32).cuda()
-        pages = rows * per_row_pages + 1
-    k_cache = torch.randn(pages * PAGE, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
-    lens = torch.full((rows,), length, dtype=torch.int32, device="cuda")
-    slots = (tables[:, (length - 1) // PAGE].long() * PAGE + (length - 1) % PAGE).int()
-    qkv = torch.randn(rows, 3 * HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    cos, sin = torch.rand(rows, ROPE_HALF, device="cuda"), torch.rand(rows, ROPE_HALF, device="cuda")
+    tables, pages = tables_for(rows, sharing, length)  # ("all": 720 of the positions a shared prefix)
+    k_cache, v_cache, lens, slots, qkv, cos, sin = decode_inputs(tables, pages, length)
     us = {"ours, per-row kernel (rope and k/v write included)": graphed(lambda: dk.rotary_paged_attention(
         qkv, cos, sin, k_cache, v_cache, tables, lens, slots, HEADS, PAGE))}
     heads = qkv.view(rows, 3 * HEADS, HEAD_DIM)

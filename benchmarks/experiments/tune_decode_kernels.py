@@ -105,34 +105,26 @@ def attention_times() -> list[dict]:
 def attention_sweep() -> list[dict]:
     """The attention kernel's keys a block, warps, pipeline stages and context splits, each (batch, context) with
     pages scattered over the cache as the free list leaves them: the five best and the default's time."""
-    from kestrel_backend.model.config import TextConfig
+    from benchmarks.experiments.decode_attention import HEAD_DIM, HEADS, PAGE, ROPE_HALF, decode_inputs, tables_for
 
-    cfg, page, out = TextConfig(), 16, []
+    out = []
     for bsz, ctx in ((1, 64), (1, 800), (16, 800), (64, 64), (64, 800)):
-        pages = -(-(ctx + 1) // page)
-        k = torch.randn((bsz * pages + 1) * page, cfg.n_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        tables = torch.randperm(bsz * pages, device="cuda").to(torch.int32).view(bsz, pages)
-        lens = torch.full((bsz,), ctx + 1, device="cuda", dtype=torch.int32)
-        slots = (tables[:, ctx // page].long() * page + ctx % page).int()
-        qkv = torch.randn(bsz, 3 * cfg.dim, device="cuda", dtype=torch.bfloat16)
-        half = cfg.rope_dim // 2
-        cos, sin = torch.rand(bsz, half, device="cuda"), torch.rand(bsz, half, device="cuda")
-        default_splits = dk.context_splits(bsz, cfg.n_heads)
+        tables, pages = tables_for(bsz, "none", ctx + 1)
+        k, v, lens, slots, qkv, cos, sin = decode_inputs(tables, pages, ctx + 1)
+        default_splits = dk.context_splits(bsz, HEADS)
 
         def call(block, warps, stages, splits):
-            out_, part_ml, part_acc = dk._attention_buffers(qkv, cfg.n_heads, cfg.head_dim, splits)
+            out_, part_ml, part_acc = dk._attention_buffers(qkv, HEADS, HEAD_DIM, splits)
             launch = dk.pdl_launch(qkv.device, bsz)
 
             def run():
-                dk._rotary_paged_attention_kernel[(bsz, cfg.n_heads, splits)](
+                dk._rotary_paged_attention_kernel[(bsz, HEADS, splits)](
                     qkv, qkv.stride(0), cos, sin, k, v, tables, lens, slots, out_, part_ml, part_acc,
-                    tables.stride(0), cfg.head_dim ** -0.5, H=cfg.n_heads, HKV=cfg.n_kv_heads, D=cfg.head_dim,
-                    HALF=half, PAGE=page, BLOCK_N=block, SPLITS=splits, num_warps=warps,
-                    num_stages=stages, **launch)
+                    tables.stride(0), HEAD_DIM ** -0.5, H=HEADS, HKV=HEADS, D=HEAD_DIM, HALF=ROPE_HALF, PAGE=PAGE,
+                    BLOCK_N=block, SPLITS=splits, num_warps=warps, num_stages=stages, **launch)
                 if splits > 1:
-                    dk._combine_splits_kernel[(bsz * cfg.n_heads,)](part_ml, part_acc, out_, D=cfg.head_dim,
-                                                                   SPLITS=splits, num_warps=1, **launch)
+                    dk._combine_splits_kernel[(bsz * HEADS,)](part_ml, part_acc, out_, D=HEAD_DIM, SPLITS=splits,
+                                                             num_warps=1, **launch)
             return graph_timed(run, calls=20) * 1000
 
         results = []
@@ -146,7 +138,7 @@ def attention_sweep() -> list[dict]:
         default = (dk.ATTENTION_KV_BLOCK, 4, 3, default_splits)  # (as rotary_paged_attention launches it)
         out.append({"batch": bsz, "context": ctx, "default (block, warps, stages, splits)": default,
                     "default_us": round(call(*default), 2),
-                    "kv_GBps_best": round(bsz * (ctx + 1) * 2 * cfg.dim * 2 / results[0][0] / 1e3, 1),
+                    "kv_GBps_best": round(bsz * (ctx + 1) * 2 * HEADS * HEAD_DIM * 2 / results[0][0] / 1e3, 1),
                     "top5": [(round(us, 2), t) for us, t in results[:5]]})
         print(json.dumps(out[-1]), flush=True)
     return out
