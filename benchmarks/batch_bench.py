@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gather_limited  # noqa: E402
+from benchmarks.common import gather_limited, p95  # noqa: E402
 from benchmarks.triton_bench import fresh_images, gateway, one_http_request, served  # noqa: E402
 from client import build_inputs, response_body  # noqa: E402
 from client.batch import BatchClient  # noqa: E402
@@ -118,7 +118,7 @@ class Interactive:
 def percentiles(name: str, values: list[float]) -> dict:
     values = sorted(values)
     return {f"{name}_p50_ms": statistics.median(values) if values else None,
-            f"{name}_p95_ms": values[min(len(values) - 1, int(0.95 * len(values)))] if values else None}
+            f"{name}_p95_ms": p95(values) if values else None}
 
 
 def batch_job(url: str, images: list[bytes], max_tokens: int) -> dict:
