@@ -24,6 +24,7 @@ prefixes) and how long the engine took to start.
         [--triton] [--out out.json]
         [--max-step-tokens 16384 0]         # step budgets, each on a burst of its own (0: none)
         [--kestrel-rows side_by_side.json]   # Kestrel on this machine (benchmarks/kestrel_peer.py writes them)
+        [--vision-stream 0 1]                # the image path's own CUDA stream, each on a burst of its own
         [--checkpoint DIR [--fp8-experts widen|fp8|both]]  # a checkpoint (Kestrel's: kestrel_checkpoint.py)
     python benchmarks/kestrel_method.py --checkpoint tests/fixtures/md2-tiny --images 4 --batch-sizes 2  (CPU smoke)
 """
@@ -249,6 +250,8 @@ def main() -> int:
                    help="KESTREL_PREFIX_AHEAD settings, each in turn on a burst of its own")
     p.add_argument("--vision-fp8", type=int, nargs="+", default=[RuntimeConfig.vision_fp8], choices=[0, 1],
                    help="KESTREL_VISION_FP8 settings, each in turn on a burst of its own")
+    p.add_argument("--vision-stream", type=int, nargs="+", default=[RuntimeConfig.vision_stream], choices=[0, 1],
+                   help="KESTREL_VISION_STREAM settings, each in turn on a burst of its own (0 1 0 1: in turns)")
     p.add_argument("--fp8-experts", default="widen", choices=FP8_EXPERT_MODES,
                    help="what becomes of a checkpoint's FP8 experts (Kestrel's files): as KESTREL_FP8_EXPERTS")
     p.add_argument("--out", type=Path)
@@ -284,12 +287,15 @@ def main() -> int:
     rows = []
     for batch in args.batch_sizes:
         runs = itertools.product(args.modes, args.max_step_tokens, args.admit_groups, args.mixed_steps,
-                                 args.prefix_ahead, args.vision_fp8)
-        for mode, budget, group, mixed, ahead, vision_fp8 in runs:
+                                 args.prefix_ahead, args.vision_fp8, args.vision_stream)
+        for mode, budget, group, mixed, ahead, vision_fp8, vision_stream in runs:
             pairs = fresh_burst()
             knobs = dict(max_step_tokens=budget, admit_group=group, mixed_steps=mixed, prefix_ahead=ahead,
-                         vision_fp8=vision_fp8)
+                         vision_fp8=vision_fp8, vision_stream=vision_stream)
             row = run_engine(model, batch, mode, pairs, warmup, knobs)
+            gc.collect()  # (an engine is freed with its cycles only: its KV cache and graphs, before the next one's)
+            if cuda:
+                torch.cuda.empty_cache()
             if ceilings:
                 tokens = [len(model.tokenizer.encode(q).ids) for _, q in pairs]
                 row["floor_req_per_s"] = len(pairs) / floor_s(model.config, pairs, tokens, OUTPUT_TOKENS[mode],
@@ -302,8 +308,8 @@ def main() -> int:
             rows += run_triton(batch, args.modes, fresh_burst, warmup, args.client_processes, args.checkpoint,
                                args.grpc_port)
             print(json.dumps(rows[-len(args.modes):]), flush=True)
-    print("\n| mode | batch | step budget, admit group, mixed, prefix ahead, vision FP8 | req/s | engine P50 ms "
-          "| engine TTFT p50 ms | floor req/s "
+    print("\n| mode | batch | step budget, admit group, mixed, prefix ahead, vision FP8, vision stream | req/s "
+          "| engine P50 ms | engine TTFT p50 ms | floor req/s "
           "| Kestrel published req/s (P50) | ours / published | Kestrel here req/s (P50) | ours / here |\n"
           + "| --- " * 11 + "|")
     for r in rows:
@@ -312,7 +318,8 @@ def main() -> int:
         here = kestrel_side.get(mode, {}).get(str(r["batch"]))
         r["kestrel_published"], r["kestrel_here"] = pub, here
         print(f"| {r['mode']} | {r['batch']} | {r.get('max_step_tokens', '')}, {r.get('admit_group', '')}, "
-              f"{r.get('mixed_steps', '')}, {r.get('prefix_ahead', '')}, {r.get('vision_fp8', '')} | "
+              f"{r.get('mixed_steps', '')}, {r.get('prefix_ahead', '')}, {r.get('vision_fp8', '')}, "
+              f"{r.get('vision_stream', '')} | "
               f"{r['req_per_s']:.1f} | "
               f"{r['engine_p50_ms']:.0f} | "
               f"{r['engine_ttft_p50_ms']:.0f} | {r.get('floor_req_per_s', float('nan')):.0f} | {_cell(pub)} | "

@@ -24,7 +24,7 @@ from .model.hub import MODELS
 from .model.moondream import Moondream
 from .model.seg_refiner import RefinerHead
 from .model.tokenizer import IncrementalDetokenizer
-from .runtime.gpu_parts import make_crop_encoder, make_decoder, make_prefill_graphs
+from .runtime.gpu_parts import make_crop_encoder, make_decoder, make_prefill_graphs, make_vision_stream
 from .runtime.image_cache import ImageCache, image_key
 from .runtime.kv_cache import PagedKVCache
 from .runtime.lora_registry import AdapterRegistry
@@ -98,7 +98,7 @@ class InferenceEngine:
                                    config.prefix_cache_size, crop_encoder, self.adapters, config.max_step_tokens,
                                    config.admit_group, bool(config.mixed_steps),
                                    config.resolved_prefix_ahead(model.config.text.moe is not None),
-                                   config.batch_step_tokens)
+                                   config.batch_step_tokens, make_vision_stream(model, bool(config.vision_stream)))
         warm_rows = min(config.max_step_tokens or EAGER_WARM_ROWS, EAGER_WARM_ROWS)
         mixed_rows = config.max_batch_size if config.mixed_steps else 0  # (the decode rows a mixed step takes on)
         self.scheduler.warm_eager_prefill(warm_rows + mixed_rows)

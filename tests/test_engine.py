@@ -1283,6 +1283,23 @@ def test_fp8_vision_is_refused_where_it_cannot_run(tiny_model):
     assert tiny_model.weights.vision.fp8 is None
 
 
+def test_vision_stream_setting_is_checked_and_a_cpu_engine_runs_on_one_stream(tiny_model, tiny_dir):
+    """KESTREL_VISION_STREAM takes 0 or 1; on the CPU there is no second stream and the engine answers as without
+    it (the two-stream path is checked on a GPU: benchmarks/common.engine_golden_check(vision_stream=1))."""
+    with pytest.raises(ConfigError, match="KESTREL_VISION_STREAM must be 0 or 1, got 2"):
+        RuntimeConfig.from_sources({"KESTREL_VISION_STREAM": "2"})
+    assert RuntimeConfig.from_sources({"KESTREL_VISION_STREAM": "1"}).vision_stream == 1
+    eng = InferenceEngine(RuntimeConfig(device="cpu", vision_stream=1), tiny_model)
+    try:
+        assert eng.scheduler.vision_stream is None
+        image = (tiny_dir / "images/small.png").read_bytes()
+        result = asyncio.run(eng.query(image, "What is this?", settings={"temperature": 0, "max_tokens": 4}))
+        assert result.metrics["output_tokens"] >= 1
+        assert eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
 def test_interactive_requests_are_admitted_before_waiting_batch_lines(tiny_dir):
     """One slot: while a request runs, batch lines queue, then an interactive one comes; it runs next, before every
     batch line that came before it (the Batch API's lines yield to people's requests)."""

@@ -39,6 +39,15 @@ def make_crop_encoder(model: Moondream):
     return CropEncoderGraphs(model)
 
 
+def make_vision_stream(model: Moondream, on: bool):
+    """The image path's own CUDA stream (runtime.vision_stream) on a GPU if on; None elsewhere."""
+    if model.device.type != "cuda" or not on:
+        return None
+    from .vision_stream import VisionStream
+
+    return VisionStream(model.device)
+
+
 def make_crop_staging(model: Moondream):
     """Crops copied to the GPU ahead of their encode (runtime.crop_staging) on a GPU; None elsewhere."""
     if model.device.type != "cuda":

@@ -12,6 +12,7 @@ import torch
 from ..errors import EngineError
 from .encode_clock import EncodeClock
 from .sequence import Sequence
+from .vision_stream import VISION_AHEAD_REQUESTS, on_vision_stream
 
 log = logging.getLogger("kestrel.scheduler")
 
@@ -46,14 +47,23 @@ class ImageFeed:
         overrides, blocks = dict(seq.prompt_overrides or {}), []
         for later in seq.later_images:
             emb = later.held_embedding if later.held_embedding is not None else self.images.get(later.key)
+            self._wait_for_encode(later.key)
             overrides[later.index] = emb
             start = seq.prefix_len + later.index
             blocks.append((start, start + emb.shape[0]))
         seq.prompt_overrides, seq.blocks, seq.later_images = overrides, tuple(blocks), []
 
     def _embedding(self, seq: Sequence) -> torch.Tensor | None:
-        """seq's image embedding: the one it holds (found cached on arrival), else the image cache's, if there."""
-        return seq.held_embedding if seq.held_embedding is not None else self.images.get(seq.image_key)
+        """seq's image embedding: the one it holds (found cached on arrival), else the image cache's, if there; the
+        step's GPU work queued from here on reads it after its encode."""
+        emb = seq.held_embedding if seq.held_embedding is not None else self.images.get(seq.image_key)
+        if emb is not None:
+            self._wait_for_encode(seq.image_key)
+        return emb
+
+    def _wait_for_encode(self, key: str) -> None:
+        if self.vision_stream is not None:
+            self.vision_stream.wait_for(key)
 
     def _restore_held(self, seqs) -> None:
         """Embeddings that admitted requests found cached on arrival and the cache has evicted since: back into
@@ -66,8 +76,11 @@ class ImageFeed:
         """Encode the images of pending (image key -> the sequences that need it) as one batch into the image
         cache. On failure, end those sequences (and only them) with the error: -> False."""
         try:
-            embeddings = self.model.encode_cropped([self._crops(key, group) for key, group in pending.items()],
-                                                   self.crop_encoder)
+            with on_vision_stream(self.vision_stream):
+                embeddings = self.model.encode_cropped([self._crops(key, group) for key, group in pending.items()],
+                                                       self.crop_encoder)
+                if self.vision_stream is not None:
+                    self.vision_stream.hand_over(dict(zip(pending, embeddings)))
         except Exception as e:
             log.exception("image encoding failed")
             for seq in [seq for group in pending.values() for seq in group]:
@@ -86,7 +99,8 @@ class ImageFeed:
             self.encode_ahead()
         if self.crop_staging is not None:
             try:
-                self.crop_staging.stage(self.waiting, self.images)
+                with on_vision_stream(self.vision_stream):  # (the encodes that take them run there)
+                    self.crop_staging.stage(self.waiting, self.images)
             except Exception:  # (the encode copies the crops in itself)
                 log.exception("staging crops on the GPU failed")
 
@@ -96,6 +110,8 @@ class ImageFeed:
         image, so that an image larger than the budget is still encoded. Each image's encode time is counted in
         the prefill time of the sequence it was encoded for."""
         window = max(self.max_batch_size - len(self.running), 2, self._ahead_window() if self._slots_full else 0)
+        if self.vision_stream is not None:  # (encodes there run beside the decode steps: further ahead)
+            window = max(window, VISION_AHEAD_REQUESTS)
         needing: dict[str, Sequence] = {}  # image key -> the first sequence that needs its encode
         head = list(itertools.islice(self.waiting, window))
         people = [seq for seq in head if not seq.batch]
@@ -113,9 +129,12 @@ class ImageFeed:
         if not needing:
             return
         pending = {key: [seq for seq in self.waiting if seq.image_key == key] for key in needing}
-        clock = EncodeClock(self.model.device)
-        if self._encode(pending):
-            clock.stop(len(pending))
+        with on_vision_stream(self.vision_stream):  # (its events timing the encode where it runs)
+            clock = EncodeClock(self.model.device)
+            encoded = self._encode(pending)
+            if encoded:
+                clock.stop(len(pending))
+        if encoded:
             for seq in needing.values():  # (not one that arrived holding the cached embedding: it waited for none)
                 seq.encoded_ahead = clock
 

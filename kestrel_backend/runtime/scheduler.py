@@ -50,7 +50,7 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
                  decoder=None, prefill_graphs=None, prefix_cache_size: int = 0, crop_encoder=None, adapters=None,
                  max_step_tokens: int = 0, admit_group: int = 0, mixed_steps: bool = False, prefix_ahead: int = 0,
-                 batch_step_tokens: int = 0):
+                 batch_step_tokens: int = 0, vision_stream=None):
         self.model = model
         self.cache = cache
         self.images = image_cache
@@ -84,6 +84,7 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
         self.decoder = decoder
         self.prefill_graphs = prefill_graphs  # graphs for prefill steps (make_prefill_graphs), or None
         self.crop_encoder = crop_encoder  # graphs of the vision encoder, or None (eager)
+        self.vision_stream = vision_stream  # the image path's own CUDA stream (runtime.vision_stream), or None
         self.crop_staging = make_crop_staging(model)
         self.eager_pad = EAGER_PAD if model.device.type == "cuda" else 0  # (0: eager prefill steps as they are)
         self.adapters = adapters  # the AdapterRegistry that sequences' adapters are pinned in
