@@ -46,24 +46,23 @@ class ImageFeed:
         """A conversation's later images' rows into its prompt, each a block of its own for the attention."""
         overrides, blocks = dict(seq.prompt_overrides or {}), []
         for later in seq.later_images:
-            emb = later.held_embedding if later.held_embedding is not None else self.images.get(later.key)
-            self._wait_for_encode(later.key)
+            emb = self._embedding_of(later.key, later.held_embedding)
             overrides[later.index] = emb
             start = seq.prefix_len + later.index
             blocks.append((start, start + emb.shape[0]))
         seq.prompt_overrides, seq.blocks, seq.later_images = overrides, tuple(blocks), []
 
     def _embedding(self, seq: Sequence) -> torch.Tensor | None:
-        """seq's image embedding: the one it holds (found cached on arrival), else the image cache's, if there; the
-        step's GPU work queued from here on reads it after its encode."""
-        emb = seq.held_embedding if seq.held_embedding is not None else self.images.get(seq.image_key)
-        if emb is not None:
-            self._wait_for_encode(seq.image_key)
-        return emb
+        """seq's image embedding (see _embedding_of)."""
+        return self._embedding_of(seq.image_key, seq.held_embedding)
 
-    def _wait_for_encode(self, key: str) -> None:
-        if self.vision_stream is not None:
+    def _embedding_of(self, key: str, held: torch.Tensor | None) -> torch.Tensor | None:
+        """An image's embedding: the one a request holds (found cached on arrival), else the image cache's, if there;
+        the step's GPU work queued from here on reads it after its encode (on the vision stream, if there is one)."""
+        emb = held if held is not None else self.images.get(key)
+        if emb is not None and self.vision_stream is not None:
             self.vision_stream.wait_for(key)
+        return emb
 
     def _restore_held(self, seqs) -> None:
         """Embeddings that admitted requests found cached on arrival and the cache has evicted since: back into

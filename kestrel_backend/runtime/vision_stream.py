@@ -36,10 +36,6 @@ class VisionStream:
         self._engine = torch.cuda.default_stream(device)  # (the engine thread's steps run on it)
         self._ready: dict[str, torch.cuda.Event] = {}  # image key -> the event behind its encode
 
-    def on_it(self):
-        """A context whose GPU work (copies, encodes) is queued on the vision stream."""
-        return torch.cuda.stream(self.stream)
-
     def hand_over(self, embeddings: dict[str, torch.Tensor]) -> None:
         """Embeddings (by image key) just queued here, for the engine's stream to read once their encode is done."""
         event = torch.cuda.Event()
@@ -58,5 +54,6 @@ class VisionStream:
 
 
 def on_vision_stream(vision: VisionStream | None):
-    """vision.on_it(), or nothing to do without a vision stream (CPU, KESTREL_VISION_STREAM=0)."""
-    return vision.on_it() if vision is not None else contextlib.nullcontext()
+    """A context whose GPU work (copies, encodes) is queued on the vision stream; nothing to do without one (CPU,
+    KESTREL_VISION_STREAM=0)."""
+    return torch.cuda.stream(vision.stream) if vision is not None else contextlib.nullcontext()
