@@ -250,6 +250,8 @@ def main() -> int:
                    help="KESTREL_PREFIX_AHEAD settings, each in turn on a burst of its own")
     p.add_argument("--vision-fp8", type=int, nargs="+", default=[RuntimeConfig.vision_fp8], choices=[0, 1],
                    help="KESTREL_VISION_FP8 settings, each in turn on a burst of its own")
+    p.add_argument("--prefill-fp8", type=int, nargs="+", default=[RuntimeConfig.prefill_fp8], choices=[0, 1],
+                   help="KESTREL_PREFILL_FP8 settings, each in turn on a burst of its own")
     p.add_argument("--vision-stream", type=int, nargs="+", default=[RuntimeConfig.vision_stream], choices=[0, 1],
                    help="KESTREL_VISION_STREAM settings, each in turn on a burst of its own (0 1 0 1: in turns)")
     p.add_argument("--fp8-experts", default="widen", choices=FP8_EXPERT_MODES,
@@ -286,12 +288,12 @@ def main() -> int:
     kestrel_side = json.loads(args.kestrel_rows.read_text()) if args.kestrel_rows else {}
     rows = []
     for batch in args.batch_sizes:
-        runs = itertools.product(args.modes, args.max_step_tokens, args.admit_groups, args.mixed_steps,
-                                 args.prefix_ahead, args.vision_fp8, args.vision_stream)
-        for mode, budget, group, mixed, ahead, vision_fp8, vision_stream in runs:
+        lists = {"max_step_tokens": args.max_step_tokens, "admit_group": args.admit_groups,
+                 "mixed_steps": args.mixed_steps, "prefix_ahead": args.prefix_ahead, "vision_fp8": args.vision_fp8,
+                 "prefill_fp8": args.prefill_fp8, "vision_stream": args.vision_stream}
+        for mode, *values in itertools.product(args.modes, *lists.values()):
             pairs = fresh_burst()
-            knobs = dict(max_step_tokens=budget, admit_group=group, mixed_steps=mixed, prefix_ahead=ahead,
-                         vision_fp8=vision_fp8, vision_stream=vision_stream)
+            knobs = dict(zip(lists, values))
             row = run_engine(model, batch, mode, pairs, warmup, knobs)
             gc.collect()  # (an engine is freed with its cycles only: its KV cache and graphs, before the next one's)
             if cuda:
@@ -308,7 +310,7 @@ def main() -> int:
             rows += run_triton(batch, args.modes, fresh_burst, warmup, args.client_processes, args.checkpoint,
                                args.grpc_port)
             print(json.dumps(rows[-len(args.modes):]), flush=True)
-    print("\n| mode | batch | step budget, admit group, mixed, prefix ahead, vision FP8, vision stream | req/s "
+    print("\n| mode | batch | step budget, admit group, mixed, prefix ahead, vision FP8, prefill FP8, vision stream | req/s "
           "| engine P50 ms | engine TTFT p50 ms | floor req/s "
           "| Kestrel published req/s (P50) | ours / published | Kestrel here req/s (P50) | ours / here |\n"
           + "| --- " * 11 + "|")
@@ -319,7 +321,7 @@ def main() -> int:
         r["kestrel_published"], r["kestrel_here"] = pub, here
         print(f"| {r['mode']} | {r['batch']} | {r.get('max_step_tokens', '')}, {r.get('admit_group', '')}, "
               f"{r.get('mixed_steps', '')}, {r.get('prefix_ahead', '')}, {r.get('vision_fp8', '')}, "
-              f"{r.get('vision_stream', '')} | "
+              f"{r.get('prefill_fp8', '')}, {r.get('vision_stream', '')} | "
               f"{r['req_per_s']:.1f} | "
               f"{r['engine_p50_ms']:.0f} | "
               f"{r['engine_ttft_p50_ms']:.0f} | {r.get('floor_req_per_s', float('nan')):.0f} | {_cell(pub)} | "

@@ -58,10 +58,7 @@ class InferenceEngine:
         self.config = config
         self.model = model
         _use_device(model.device)  # (CUDA's current device is per thread: this one captures the graphs)
-        if config.vision_fp8:
-            _quantize_vision(model)
-        else:  # (a model an earlier engine quantised: this engine's setting decides)
-            model.weights.vision.fp8 = None
+        _quantize(model, config)
         text = model.config.text
         self.max_context = min(config.max_context or text.max_context, text.max_context)
         num_pages = config.kv_pages or default_kv_pages(self.max_context, config.page_size, config.max_batch_size)
@@ -473,22 +470,34 @@ class InferenceEngine:
             self._admitting -= 1
 
 
-def _quantize_vision(model: Moondream) -> None:
-    """KESTREL_VISION_FP8: the vision encoder's qkv, fc1 and fc2 matmuls in FP8, where the GPU has FP8 tensor cores."""
+def _quantize(model: Moondream, config: RuntimeConfig) -> None:
+    """KESTREL_VISION_FP8 and KESTREL_PREFILL_FP8: FP8 copies of the vision encoder's and of the text model's qkv, fc1
+    and fc2 weights (model/fp8.py), where the GPU has FP8 tensor cores. A model an earlier engine quantised is set
+    back: this engine's settings decide."""
+    from .model.text import quantize_prefill
+    from .model.vision import quantize_encoder
+
+    model.weights.vision.fp8 = model.weights.text.fp8 = None
+    for name, on, weights, quantize, dim in (
+            ("KESTREL_VISION_FP8", config.vision_fp8, model.weights.vision, quantize_encoder,
+             model.config.vision.enc_dim),
+            ("KESTREL_PREFILL_FP8", config.prefill_fp8, model.weights.text, quantize_prefill, model.config.text.dim)):
+        if on:
+            _check_fp8_ready(model, name, dim)
+            quantize(weights)
+            log.info("%s: qkv, fc1 and fc2 in FP8 too", name)
+
+
+def _check_fp8_ready(model: Moondream, name: str, dim: int) -> None:
     import torch
 
     if model.device.type != "cuda" or torch.cuda.get_device_capability(model.device) < (8, 9):
-        raise ValueError("KESTREL_VISION_FP8=1 needs a GPU with FP8 tensor cores (compute capability 8.9 or later: "
+        raise ValueError(f"{name}=1 needs a GPU with FP8 tensor cores (compute capability 8.9 or later: "
                          f"L4, L40S, H100, H200, B200); the model is on {model.device}")
     if model.dtype != torch.bfloat16:
-        raise ValueError(f"KESTREL_VISION_FP8=1 needs KESTREL_DTYPE=bfloat16, not {model.dtype}")
-    if model.config.vision.enc_dim % 32:  # (the FP8 tensor cores' K step)
-        raise ValueError(f"KESTREL_VISION_FP8=1 needs a vision encoder width that is a multiple of 32, not "
-                         f"{model.config.vision.enc_dim}")
-    from .model.vision import quantize_encoder
-
-    quantize_encoder(model.weights.vision)
-    log.info("vision encoder: qkv, fc1 and fc2 in FP8 (KESTREL_VISION_FP8)")
+        raise ValueError(f"{name}=1 needs KESTREL_DTYPE=bfloat16, not {model.dtype}")
+    if dim % 32:  # (the FP8 tensor cores' K step)
+        raise ValueError(f"{name}=1 needs a width that is a multiple of 32, not {dim}")
 
 
 # Tokens per batch slot in the default KV cache: Moondream 2's whole context. A model of longer context (Moondream

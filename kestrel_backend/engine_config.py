@@ -92,6 +92,8 @@ class RuntimeConfig:
     # widen: FP8 in steps of 2 to 128 tokens, widened elsewhere); PERFORMANCE.md has the figures
     vision_fp8: int = 0  # 1: the vision encoder's qkv, fc1 and fc2 matmuls in FP8 (GPUs with FP8 tensor cores, bf16
     # models); README says what it costs in accuracy and gains in speed
+    prefill_fp8: int = 0  # 1: the text model's qkv, fc1 and fc2 matmuls in FP8 in steps of 256 tokens or more (image
+    # prefills; dense blocks only; same GPUs and models as vision_fp8); README says what it costs and gains
     vision_stream: int = 0  # 1: the image path on a CUDA stream of its own, beside the steps (runtime/vision_stream.py;
     # PERFORMANCE.md has the figures)
     drain_timeout_s: int = 25  # a stopping server lets admitted requests run this long (below tritonserver's
@@ -112,7 +114,7 @@ class RuntimeConfig:
         "max_adapter_rank": "KESTREL_MAX_ADAPTER_RANK", "image_workers": "KESTREL_IMAGE_WORKERS",
         "seg_refiner_path": "KESTREL_SEG_REFINER_PATH", "drain_timeout_s": "KESTREL_DRAIN_TIMEOUT_S",
         "fp8_experts": "KESTREL_FP8_EXPERTS", "vision_fp8": "KESTREL_VISION_FP8",
-        "vision_stream": "KESTREL_VISION_STREAM",
+        "prefill_fp8": "KESTREL_PREFILL_FP8", "vision_stream": "KESTREL_VISION_STREAM",
     }
 
     @classmethod
@@ -162,8 +164,9 @@ class RuntimeConfig:
                 raise ConfigError(f"{self.ENV[name]} must be 0 or positive, got {getattr(self, name)}")
         if self.prefix_ahead < -1:
             raise ConfigError(f"KESTREL_PREFIX_AHEAD must be -1 (by model), 0 or positive, got {self.prefix_ahead}")
-        if self.vision_fp8 not in (0, 1):
-            raise ConfigError(f"KESTREL_VISION_FP8 must be 0 or 1, got {self.vision_fp8}")
+        for name in ("vision_fp8", "prefill_fp8"):
+            if getattr(self, name) not in (0, 1):
+                raise ConfigError(f"{self.ENV[name]} must be 0 or 1, got {getattr(self, name)}")
         if self.fp8_experts not in FP8_EXPERT_MODES:
             raise ConfigError(f"KESTREL_FP8_EXPERTS must be one of {', '.join(FP8_EXPERT_MODES)}, "
                               f"got {self.fp8_experts!r}")

@@ -41,7 +41,7 @@ from kestrel_backend.kernels.packed import PackedWeight
 from kestrel_backend.model.weights import Linear, MoE
 from kestrel_backend.kernels.fp8_linear import Fp8Weight, fp8_linear
 from kestrel_backend.kernels.layer_norm_cuda import shifted_layer_norm, shifted_layer_norm_fp8
-from kestrel_backend.model import vision as vision_model
+from kestrel_backend.model.fp8 import FP8_FF_STEP
 from kestrel_backend.kernels.rope_cuda import rope_qk_inplace
 from kestrel_backend.kernels.tau_cuda import tau_inplace, tau_rows
 from kestrel_backend.kernels import decode_kernels as dk
@@ -225,11 +225,20 @@ def launch_everything(capability: int) -> None:
             w = Fp8Weight(torch.zeros(3 * v.enc_dim, v.enc_dim, dtype=fp8), torch.ones(3 * v.enc_dim))
             fp8_linear(x8, scale, w, torch.zeros(3 * v.enc_dim, **f), tma=tma)  # qkv
             x8, scale, bound = shifted_layer_norm_fp8(vision, zeros, vision[0], vision[0], gelu_bound=(1.0, 1.0))
-            ff = v.enc_ff_dim + -v.enc_ff_dim % vision_model.FP8_FF_STEP
+            ff = v.enc_ff_dim + -v.enc_ff_dim % FP8_FF_STEP
             w = Fp8Weight(torch.zeros(ff, v.enc_dim, dtype=fp8), torch.ones(ff))
             hidden8 = fp8_linear(x8, scale, w, torch.zeros(ff, **f), gelu=True, out_scale=bound, tma=tma)  # fc1
             w = Fp8Weight(torch.zeros(v.enc_dim, ff, dtype=fp8), torch.ones(v.enc_dim))
             fp8_linear(hidden8, bound, w, None, accumulate=vision, tma=tma)  # fc2, onto the residual stream
+            t = TextConfig()  # (KESTREL_PREFILL_FP8: the text model's widths; fc2 adds its bias too)
+            x = torch.zeros(256, t.dim, **f)
+            x8, scale, bound = shifted_layer_norm_fp8(x, torch.zeros(t.dim), x[0], x[0], gelu_bound=(1.0, 1.0))
+            w = Fp8Weight(torch.zeros(3 * t.dim, t.dim, dtype=fp8), torch.ones(3 * t.dim))
+            fp8_linear(x8, scale, w, torch.zeros(3 * t.dim, **f), tma=tma)  # qkv
+            w = Fp8Weight(torch.zeros(t.ff_dim, t.dim, dtype=fp8), torch.ones(t.ff_dim))
+            hidden8 = fp8_linear(x8, scale, w, torch.zeros(t.ff_dim, **f), gelu=True, out_scale=bound, tma=tma)
+            w = Fp8Weight(torch.zeros(t.dim, t.ff_dim, dtype=fp8), torch.ones(t.dim))
+            fp8_linear(hidden8, bound, w, torch.zeros(t.dim, **f), accumulate=x, tma=tma)
 
 
 def compile_for(capability: int, recorded: dict) -> tuple[list[str], int, dict]:

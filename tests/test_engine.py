@@ -1272,15 +1272,18 @@ def test_segment_on_moondream2_names_the_skill_and_the_model(engine, tiny_dir):
         asyncio.run(engine.segment((tiny_dir / "images/small.png").read_bytes(), "cat"))
 
 
-def test_fp8_vision_is_refused_where_it_cannot_run(tiny_model):
-    """KESTREL_VISION_FP8=1 on a device without FP8 tensor cores stops the engine at start with a message saying
-    why (the kernels are checked in test_gpu_kernels; a GPU run measures the path: benchmarks/vision_fp8.py)."""
-    with pytest.raises(ConfigError, match="KESTREL_VISION_FP8 must be 0 or 1"):
-        RuntimeConfig(vision_fp8=2).validate()
-    assert RuntimeConfig.from_sources({"KESTREL_VISION_FP8": "1"}).vision_fp8 == 1
-    with pytest.raises(ValueError, match="KESTREL_VISION_FP8=1 needs a GPU with FP8 tensor cores"):
-        InferenceEngine(RuntimeConfig(device="cpu", vision_fp8=1), tiny_model)
-    assert tiny_model.weights.vision.fp8 is None
+@pytest.mark.parametrize("name", ["vision_fp8", "prefill_fp8"])
+def test_fp8_paths_are_refused_where_they_cannot_run(tiny_model, name):
+    """KESTREL_VISION_FP8=1 or KESTREL_PREFILL_FP8=1 on a device without FP8 tensor cores stops the engine at start
+    with a message saying why (the kernels are checked in test_gpu_kernels; a GPU run measures the paths:
+    benchmarks/fp8_paths.py)."""
+    env = RuntimeConfig.ENV[name]
+    with pytest.raises(ConfigError, match=f"{env} must be 0 or 1"):
+        RuntimeConfig(**{name: 2}).validate()
+    assert getattr(RuntimeConfig.from_sources({env: "1"}), name) == 1
+    with pytest.raises(ValueError, match=f"{env}=1 needs a GPU with FP8 tensor cores"):
+        InferenceEngine(RuntimeConfig(device="cpu", **{name: 1}), tiny_model)
+    assert tiny_model.weights.vision.fp8 is None and tiny_model.weights.text.fp8 is None
 
 
 def test_vision_stream_setting_is_checked_and_a_cpu_engine_runs_on_one_stream(tiny_model, tiny_dir):

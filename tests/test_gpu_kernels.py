@@ -1354,3 +1354,31 @@ def test_fp8_vision_blocks_follow_the_bf16_blocks(tiny_model):
         assert rel_err(vision._encode_blocks_cuda(x.clone(), w, v), without_fc2) > 1e-3
     finally:
         w.fp8 = None
+
+
+def test_fp8_prefill_follows_the_bf16_blocks(tiny_model):
+    """KESTREL_PREFILL_FP8: a step of 256 tokens through the text blocks with qkv, fc1 and fc2 in e4m3 stays near the
+    unquantised blocks and uses the quantised weights (fc2 zeroed in e4m3 alone moves the output); a step of fewer
+    tokens (decode) is not quantised at all: bit for bit the unquantised blocks' output. Attention hands back v: the
+    random tiny model's sharp softmax turns any 5% change of its input into 20-50% of its output, which would hide
+    what the matmuls do."""
+    import dataclasses
+
+    from kestrel_backend.model import text
+
+    config = tiny_model.config.text
+    w = dataclasses.replace(tiny_model.weights.text)  # (its own fp8 list; the blocks stay shared and unchanged)
+    x = torch.randn(text.FP8_MIN_ROWS, config.dim, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(len(x))
+
+    def run(rows: int) -> torch.Tensor:
+        return text.decode(x[:rows].clone(), positions[:rows], w, config, tiny_model.rope, lambda i, q, k, v: v)
+
+    want, want_short = run(len(x)), run(len(x) - 1)
+    text.quantize_prefill(w)
+    got = run(len(x))
+    cosine = F.cosine_similarity(got, want, dim=1)
+    assert rel_err(got, want) < 0.12 and bool((cosine > 0.98).all()), (rel_err(got, want), cosine.min())
+    assert torch.equal(run(len(x) - 1), want_short)
+    w.fp8[-1].fc2.weight.zero_()
+    assert rel_err(run(len(x)), got) > 1e-3

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import TextConfig
+from .fp8 import fp8_block
 from .layers import layer_norm, linear, mlp, mlp_hidden
 from .lora import LoraRows, SlotRows
 from ..kernels.dense import dense
@@ -133,6 +134,19 @@ def split_qkv_with_rope(qkv: torch.Tensor, cos, sin, config: TextConfig):
     return q, k, v.view(n, config.n_kv_heads, hd)
 
 
+FP8_MIN_ROWS = 256  # KESTREL_PREFILL_FP8 runs steps of at least this many tokens in FP8: shorter ones (decode) are
+# bound by reading the weights, where FP8 matmuls save nothing, and keep bf16's accuracy
+
+
+def quantize_prefill(w: TextWeights) -> None:
+    """KESTREL_PREFILL_FP8: each dense block's qkv, fc1 and fc2 in e4m3 too (model/fp8.py), for the long steps (image
+    prefills). MoE blocks stay as they are (their experts have KESTREL_FP8_EXPERTS); proj's input would need a
+    quantising pass of its own, as in the vision encoder."""
+    if any(not isinstance(block.qkv.weight, torch.Tensor) for block in w.blocks):
+        raise ValueError("KESTREL_PREFILL_FP8=1 needs a model of bf16 weights, not 4-bit ones")
+    w.fp8 = [None if block.moe is not None else fp8_block(block) for block in w.blocks]
+
+
 def embed_tokens(ids: torch.Tensor, w: TextWeights) -> torch.Tensor:
     return F.embedding(ids, w.wte)
 
@@ -144,9 +158,22 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
     only that many leading rows route to experts: its padded rows take none (moe_kernels.add_moe_mlp)."""
     n = x.shape[0]
     cos, sin = rope[positions, :, 0], rope[positions, :, 1]  # gathered once per step, not per layer
+    fp8_blocks = w.fp8 if w.fp8 is not None and n >= FP8_MIN_ROWS and lora is None else None  # (a GPU's: the engine
+    # quantises on one only; the tests run its kernels in Triton's interpreter)
+    if fp8_blocks:
+        from ..kernels.fp8_linear import fp8_linear
+        from ..kernels.layer_norm_cuda import shifted_layer_norm_fp8
+
+        no_shift = x.new_zeros(x.shape[1], dtype=torch.float32)
     for i, block in enumerate(w.blocks):
-        h = layer_norm(x, block.ln)
-        qkv = linear(h, block.qkv)
+        fp8 = fp8_blocks[i] if fp8_blocks else None
+        if fp8 is None:
+            h = layer_norm(x, block.ln)
+            qkv = linear(h, block.qkv)
+        else:  # (the norm quantises its output for qkv and fc1, and bounds fc1's GELU output: model/fp8.py)
+            h8, scale, hidden_scale = shifted_layer_norm_fp8(x, no_shift, block.ln.weight, block.ln.bias,
+                                                             gelu_bound=fp8.gelu_bound)
+            qkv = fp8_linear(h8, scale, fp8.qkv, block.qkv.bias, out_dtype=x.dtype)
         if lora is not None:
             lora.add(qkv, h, i, "qkv")
         if block.tau is not None:
@@ -159,13 +186,16 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
         elif lora is not None:
             attn_out, mlp_out = _block_outputs_with_lora(h, out, block, lora, i)
             x = x + attn_out + mlp_out
-        elif x.is_cuda:  # residual adds folded into the output GEMMs (beta = 1) and the experts' sum: fewer kernels
+        elif x.is_cuda or fp8 is not None:  # residual adds folded into the output GEMMs (beta = 1) and the experts' sum: fewer kernels
             proj = dense(block.proj.weight).t()
             x = torch.addmm(x, out, proj) if i == 0 else x.addmm_(out, proj)  # in place past layer 0: x is ours then
             if block.moe is not None:
                 from ..kernels.moe_kernels import add_moe_mlp
 
                 add_moe_mlp(x, h, block.moe, block.out_bias, getattr(attention, "valid_rows", None))
+            elif fp8 is not None:
+                hidden8 = fp8_linear(h8, scale, fp8.fc1, fp8.fc1_bias, gelu=True, out_scale=hidden_scale)
+                fp8_linear(hidden8, hidden_scale, fp8.fc2, block.out_bias, accumulate=x)
             else:
                 x.addmm_(mlp_hidden(h, block.mlp), dense(block.mlp.fc2.weight).t()).add_(block.out_bias)
         else:

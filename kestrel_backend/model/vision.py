@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from .config import VisionConfig
+from .fp8 import fp8_block
 from .image_crops import overlap_crops, reconstruct
 from .layers import layer_norm, linear, mlp, mlp_hidden
-from .weights import Fp8Blocks, VisionWeights
+from .weights import VisionWeights
 
 
 CROPS_PER_BATCH = 64  # bounds the encoder's activation memory when many images arrive at once
@@ -64,26 +65,10 @@ def _attend(qkv: torch.Tensor, n_heads: int) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
 
 
-FP8_FF_STEP = 128  # the MLP's inner width in e4m3 is padded with zeros to a multiple of this: fc2's K step
-
-
 def quantize_encoder(w: VisionWeights) -> None:
-    """KESTREL_VISION_FP8: the blocks' qkv, fc1 and fc2 weights in e4m3 too, per output channel. qkv and fc1 take their
-    input from a layer norm, which quantises it on the way out; fc1 writes its GELU output in e4m3 for fc2, at row
-    scales that the norm bounds (layer_norm_cuda). proj's input (attention) would need a pass of its own, which costs
-    more than FP8 saves (PERFORMANCE.md). The bf16 weights stay (the CPU path and proj use them)."""
-    w.fp8 = [_fp8_block(b) for b in w.blocks]
-
-
-def _fp8_block(block) -> Fp8Blocks:
-    from ..kernels.fp8_linear import Fp8Weight
-
-    pad = -block.mlp.fc1.weight.shape[0] % FP8_FF_STEP  # (zero rows of fc1 give gelu(0) = 0: fc2 adds nothing)
-    fc1 = Fp8Weight.of(F.pad(block.mlp.fc1.weight, (0, 0, 0, pad)))
-    fc1_bias = F.pad(block.mlp.fc1.bias, (0, pad))
-    longest_row = (fc1.weight.float() * fc1.scale[:, None]).norm(dim=1).max()
-    return Fp8Blocks(Fp8Weight.of(block.qkv.weight), fc1, fc1_bias, Fp8Weight.of(F.pad(block.mlp.fc2.weight, (0, pad))),
-                     (float(longest_row), float(fc1_bias.float().abs().max())))
+    """KESTREL_VISION_FP8: the blocks' qkv, fc1 and fc2 weights in e4m3 too (model/fp8.py). proj's input (attention)
+    would need a quantising pass of its own, which costs more than FP8 saves (PERFORMANCE.md)."""
+    w.fp8 = [fp8_block(b) for b in w.blocks]
 
 
 def encode_crops(crops: torch.Tensor, w: VisionWeights, config: VisionConfig,

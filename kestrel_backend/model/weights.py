@@ -75,9 +75,9 @@ class VisionWeights:
 
 @dataclass
 class Fp8Blocks:
-    """A vision block's matmuls kept in e4m3 too (kernels.fp8_linear.Fp8Weight; model/vision.quantize_encoder)."""
+    """A block's matmuls kept in e4m3 too (kernels.fp8_linear.Fp8Weight; model/fp8.py)."""
     qkv: object
-    fc1: object  # its rows, and so fc2's columns, padded with zeros to a multiple of vision.FP8_FF_STEP
+    fc1: object  # its rows, and so fc2's columns, padded with zeros to a multiple of fp8.FP8_FF_STEP
     fc1_bias: torch.Tensor  # padded alike
     fc2: object
     gelu_bound: tuple[float, float]  # (fc1's longest row, its largest bias): layer_norm_cuda bounds fc1's output
@@ -139,6 +139,7 @@ class TextWeights:
     blocks: list[TextBlock]
     post_ln: LayerNorm
     lm_head: Linear
+    fp8: list | None = None  # per block, Fp8Blocks or None (MoE blocks): KESTREL_PREFILL_FP8 (text.quantize_prefill)
 
 
 @dataclass
