@@ -7,7 +7,10 @@ median of Kestrel's own prefill + decode time a request. One engine a batch size
 
     python benchmarks/kestrel_peer.py --model moondream3-preview --weights DIR/model_fp8.pt --tokenizer DIR \
         [--batch-sizes 1 16 64] [--modes direct cot] [--images 256] --out kestrel_rows.json
-    (weights: benchmarks/kestrel_checkpoint.py for Moondream 3, or a Moondream 2 model.safetensors)
+    (weights: benchmarks/kestrel_checkpoint.py DIR [--model moondream2]; Moondream 2: --model moondream2
+    --weights DIR/model.safetensors. Kestrel's kernels come in the eight kestrel-kernels-bundle wheels (88 MB
+    each) that kestrel-kernels requires: install them too. HF_HUB_OFFLINE=1 where the hub is out
+    of reach: Kestrel looks up the model's config there at start.)
 """
 
 from __future__ import annotations
