@@ -310,8 +310,8 @@ def main() -> int:
             rows += run_triton(batch, args.modes, fresh_burst, warmup, args.client_processes, args.checkpoint,
                                args.grpc_port)
             print(json.dumps(rows[-len(args.modes):]), flush=True)
-    print("\n| mode | batch | step budget, admit group, mixed, prefix ahead, vision FP8, prefill FP8, vision stream | req/s "
-          "| engine P50 ms | engine TTFT p50 ms | floor req/s "
+    print("\n| mode | batch | step budget, admit group, mixed, prefix ahead, vision FP8, prefill FP8, vision stream "
+          "| req/s | engine P50 ms | engine TTFT p50 ms | floor req/s "
           "| Kestrel published req/s (P50) | ours / published | Kestrel here req/s (P50) | ours / here |\n"
           + "| --- " * 11 + "|")
     for r in rows:

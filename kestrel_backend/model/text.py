@@ -158,8 +158,8 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
     only that many leading rows route to experts: its padded rows take none (moe_kernels.add_moe_mlp)."""
     n = x.shape[0]
     cos, sin = rope[positions, :, 0], rope[positions, :, 1]  # gathered once per step, not per layer
-    fp8_blocks = w.fp8 if w.fp8 is not None and n >= FP8_MIN_ROWS and lora is None else None  # (a GPU's: the engine
-    # quantises on one only; the tests run its kernels in Triton's interpreter)
+    # (w.fp8 is set on a GPU only, by the engine; the tests run its kernels in Triton's interpreter)
+    fp8_blocks = w.fp8 if w.fp8 is not None and n >= FP8_MIN_ROWS and lora is None else None
     if fp8_blocks:
         from ..kernels.fp8_linear import fp8_linear
         from ..kernels.layer_norm_cuda import shifted_layer_norm_fp8
@@ -186,7 +186,8 @@ def decode(x: torch.Tensor, positions: torch.Tensor, w: TextWeights, config: Tex
         elif lora is not None:
             attn_out, mlp_out = _block_outputs_with_lora(h, out, block, lora, i)
             x = x + attn_out + mlp_out
-        elif x.is_cuda or fp8 is not None:  # residual adds folded into the output GEMMs (beta = 1) and the experts' sum: fewer kernels
+        elif x.is_cuda or fp8 is not None:  # residual adds folded into the output GEMMs (beta = 1) and the experts'
+            # sum: fewer kernels
             proj = dense(block.proj.weight).t()
             x = torch.addmm(x, out, proj) if i == 0 else x.addmm_(out, proj)  # in place past layer 0: x is ours then
             if block.moe is not None:
