@@ -217,29 +217,28 @@ def launch_everything(capability: int) -> None:
             mk.gated_gelu_fp8(torch.zeros(pairs, 2 * moe.expert_inner_dim, **f))
         vision = torch.zeros(729, VisionConfig().enc_dim, **f)
         shifted_layer_norm(vision, torch.zeros(1, vision.shape[1]), vision[0], vision[0])
-        if capability >= 89 and f["dtype"] == torch.bfloat16:  # (KESTREL_VISION_FP8: TMA from Hopper on)
-            v = VisionConfig()
-            tma = capability >= 90
-            zeros = torch.zeros(vision.shape[1])
-            x8, scale = shifted_layer_norm_fp8(vision, zeros, vision[0], vision[0])
-            w = Fp8Weight(torch.zeros(3 * v.enc_dim, v.enc_dim, dtype=fp8), torch.ones(3 * v.enc_dim))
-            fp8_linear(x8, scale, w, torch.zeros(3 * v.enc_dim, **f), tma=tma)  # qkv
-            x8, scale, bound = shifted_layer_norm_fp8(vision, zeros, vision[0], vision[0], gelu_bound=(1.0, 1.0))
-            ff = v.enc_ff_dim + -v.enc_ff_dim % FP8_FF_STEP
-            w = Fp8Weight(torch.zeros(ff, v.enc_dim, dtype=fp8), torch.ones(ff))
-            hidden8 = fp8_linear(x8, scale, w, torch.zeros(ff, **f), gelu=True, out_scale=bound, tma=tma)  # fc1
-            w = Fp8Weight(torch.zeros(v.enc_dim, ff, dtype=fp8), torch.ones(v.enc_dim))
-            fp8_linear(hidden8, bound, w, None, accumulate=vision, tma=tma)  # fc2, onto the residual stream
-            t = TextConfig()  # (KESTREL_PREFILL_FP8: the text model's widths; fc2 adds its bias too)
-            x = torch.zeros(256, t.dim, **f)
-            x8, scale, bound = shifted_layer_norm_fp8(x, torch.zeros(t.dim), x[0], x[0], gelu_bound=(1.0, 1.0))
-            w = Fp8Weight(torch.zeros(3 * t.dim, t.dim, dtype=fp8), torch.ones(3 * t.dim))
-            fp8_linear(x8, scale, w, torch.zeros(3 * t.dim, **f), tma=tma)  # qkv
-            w = Fp8Weight(torch.zeros(t.ff_dim, t.dim, dtype=fp8), torch.ones(t.ff_dim))
-            hidden8 = fp8_linear(x8, scale, w, torch.zeros(t.ff_dim, **f), gelu=True, out_scale=bound, tma=tma)
-            w = Fp8Weight(torch.zeros(t.dim, t.ff_dim, dtype=fp8), torch.ones(t.dim))
-            fp8_linear(hidden8, bound, w, torch.zeros(t.dim, **f), accumulate=x, tma=tma)
+        if capability >= 89 and f["dtype"] == torch.bfloat16:  # (the FP8 paths: TMA from Hopper on)
+            v = VisionConfig()  # (KESTREL_VISION_FP8: qkv's norm apart, fc2 without a bias)
+            fp8_block_launches(vision, v.enc_ff_dim + -v.enc_ff_dim % FP8_FF_STEP, None, capability >= 90, True)
+            t = TextConfig()  # (KESTREL_PREFILL_FP8: one norm for qkv and fc1, fc2 adds its bias too)
+            fp8_block_launches(torch.zeros(256, t.dim, **f), t.ff_dim, torch.zeros(t.dim, **f), capability >= 90,
+                               False)
 
+
+def fp8_block_launches(x: torch.Tensor, ff: int, fc2_bias, tma: bool, qkv_norm_apart: bool) -> None:
+    """One block's FP8 path (model/fp8.py) on rows x: the norm that quantises them and bounds fc1's output (and,
+    qkv_norm_apart, one that only quantises, before qkv), qkv, fc1 writing e4m3, fc2 onto x."""
+    dim, fp8, f = x.shape[1], torch.float8_e4m3fn, dict(dtype=x.dtype)
+    zeros = torch.zeros(dim)
+    if qkv_norm_apart:
+        shifted_layer_norm_fp8(x, zeros, x[0], x[0])
+    x8, scale, bound = shifted_layer_norm_fp8(x, zeros, x[0], x[0], gelu_bound=(1.0, 1.0))
+    w = Fp8Weight(torch.zeros(3 * dim, dim, dtype=fp8), torch.ones(3 * dim))
+    fp8_linear(x8, scale, w, torch.zeros(3 * dim, **f), tma=tma)  # qkv
+    w = Fp8Weight(torch.zeros(ff, dim, dtype=fp8), torch.ones(ff))
+    hidden8 = fp8_linear(x8, scale, w, torch.zeros(ff, **f), gelu=True, out_scale=bound, tma=tma)  # fc1
+    w = Fp8Weight(torch.zeros(dim, ff, dtype=fp8), torch.ones(dim))
+    fp8_linear(hidden8, bound, w, fc2_bias, accumulate=x, tma=tma)  # fc2, onto the residual stream
 
 def compile_for(capability: int, recorded: dict) -> tuple[list[str], int, dict]:
     """Every kernel variant the wrappers launch on a GPU of this capability, compiled (or found in `recorded`):
