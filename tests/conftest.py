@@ -43,6 +43,17 @@ def tiny_model():
     return Moondream.from_checkpoint(TINY, dtype=torch.float32)
 
 
+def wait_until(condition, what: str, timeout: float = 120.0, poll: float = 0.05) -> None:
+    """Poll condition() until it is true; an AssertionError naming `what` after `timeout` seconds (a synchronisation
+    with a server, never a speed bound: a wait that never ends would hold CI to its own limit)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout:g} s"
+        time.sleep(poll)
+
+
 def _free_port() -> int:
     import socket
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import pyvips
-from conftest import GATEWAY_KEY, GatewayProcess, http_request
+from conftest import GATEWAY_KEY, GatewayProcess, http_request, wait_until
 
 from client.batch import BatchClient, BatchError
 from client.metrics import metric_sum, scrape
@@ -195,8 +195,7 @@ def test_abort_stops_a_job_and_says_how_far_it_got(gateway):
     lines = [{"id": i, "skill": "query", "image": image, "question": f"Question {i}?", "reasoning": False,
               "settings": {"temperature": 0, "max_tokens": 24}} for i in range(40)]
     batch_id = submit(c, lines)
-    while c.status(batch_id)["progress"]["completed"] < 2:
-        time.sleep(0.05)
+    wait_until(lambda: c.status(batch_id)["progress"]["completed"] >= 2, "two lines completed")
     aborted = c.abort(batch_id)
     assert aborted["status"] == "aborted" and aborted["progress"]["completed"] < 40
     time.sleep(2.5)  # (two heartbeats, a third of the 3 s lease each: lines in flight at the abort are let go)
@@ -218,8 +217,7 @@ def test_a_small_job_of_another_key_is_not_held_back_by_a_large_one(gateway):
     large_id = submit(large, [{"skill": "query", "image": image, "question": f"Question {i}?", "reasoning": False,
                                "settings": {"temperature": 0, "max_tokens": 12}} for i in range(24)])
     try:
-        while large.status(large_id)["progress"]["completed"] < 1:
-            time.sleep(0.05)
+        wait_until(lambda: large.status(large_id)["progress"]["completed"] >= 1, "a line of the large job completed")
         small_id = submit(small, [{"skill": "caption", "image": image, "settings": GREEDY} for _ in range(3)])
         assert small.wait(small_id, poll_s=0.05, timeout_s=120)["progress"]["completed"] == 3
         assert large.status(large_id)["progress"]["completed"] <= 16  # (first come first served: all 24)
@@ -236,8 +234,7 @@ def test_a_gateway_killed_mid_job_and_started_again_finishes_it_with_nothing_los
               "reasoning": False, "settings": {"temperature": 0, "max_tokens": 12}} for i in range(30)]
     c = client(first)
     batch_id = submit(c, lines)
-    while c.status(batch_id)["progress"]["completed"] < 6:
-        time.sleep(0.05)
+    wait_until(lambda: c.status(batch_id)["progress"]["completed"] >= 6, "six lines completed")
     os.kill(first.proc.pid, signal.SIGKILL)
     first.proc.wait()
 
@@ -269,9 +266,11 @@ def test_client_batch_run_writes_every_image_once_and_resumes_after_an_interrupt
     out.write_text(json.dumps({"id": "sub/11.png", "status": "ok", "result": {"caption": "answered before"}}) + "\n")
     state = out.with_name(out.name + ".jobs")
     interrupted = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, cwd=Path(__file__).parents[1])
-    while not (state.exists() and json.loads(state.read_text())):  # killed once its first job is sent
+    def first_job_sent():  # (the state file is replaced whole)
         assert interrupted.poll() is None, "the run ended before it could be interrupted"
-        time.sleep(0.01)
+        return state.exists() and json.loads(state.read_text())
+
+    wait_until(first_job_sent, "the run's first job sent", poll=0.01)  # then it is killed
     interrupted.kill()  # (SIGKILL: no clean-up at all; xdist's workers pass SIGINT on ignored)
     assert interrupted.wait(30) == -signal.SIGKILL and len(out.read_text().splitlines()) < len(names)
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import GATEWAY_KEY, _free_port
+from conftest import GATEWAY_KEY, _free_port, wait_until
 from test_batch import b64, batch_gateway, client, png, submit
 
 from client.metrics import metric_sum, scrape
@@ -62,12 +62,9 @@ def test_two_gateways_share_a_job_and_one_killed_mid_job_loses_nothing(triton_se
         lines = [{"id": i, "skill": "query", "image": image, "question": f"Question {i % 4}?", "reasoning": False,
                   "settings": {"temperature": 0, "max_tokens": 12}} for i in range(40)]
         batch_id = submit(client(one), lines)
-        ran = {}
-        while min(ran.values(), default=0) < 2:  # both gateways have run lines of it
-            for name, g in (("one", one), ("two", two)):
-                ran[name] = metric_sum(scrape(g.url + "/metrics", api_key=GATEWAY_KEY),
-                                       "kestrel_gateway_batch_lines_total", outcome="ok")
-            time.sleep(0.05)
+        wait_until(lambda: min(metric_sum(scrape(g.url + "/metrics", api_key=GATEWAY_KEY),
+                                          "kestrel_gateway_batch_lines_total", outcome="ok") for g in (one, two)) >= 2,
+                   "both gateways have run lines of the job")
         assert client(one).status(batch_id)["progress"]["completed"] < 40
         os.kill(one.proc.pid, signal.SIGKILL)
         one.proc.wait()

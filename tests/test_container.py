@@ -40,7 +40,8 @@ COMPOSE = ('KESTREL_BASE_IMAGE="$(bash docker/base/build.sh)" KESTREL_TORCH=torc
            "docker-compose -f docker/docker-compose-cpu.yml -f tests/fixtures/compose/tiny.yml up -d --build")
 COMPOSE_DOWN = "docker-compose -f docker/docker-compose-cpu.yml -f tests/fixtures/compose/tiny.yml down"
 
-pytestmark = pytest.mark.xdist_group("docker")
+# the image's build is a test's set-up: on a machine without the base image or pip's cache it takes minutes
+pytestmark = [pytest.mark.xdist_group("docker"), pytest.mark.timeout(1200)]
 
 
 def test_dockerfile_passes_hadolint():
