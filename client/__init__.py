@@ -88,6 +88,7 @@ class Call:
         self._closed = False
 
     def __iter__(self) -> Iterator[dict]:
+        ended = False  # the request's last response is in: the server ends the stream by itself
         try:
             while True:
                 try:
@@ -95,16 +96,21 @@ class Call:
                 except queue.Empty:
                     raise MoondreamError(f"no response within {self._timeout} s") from None
                 if error is not None:
+                    ended = True  # (an error is the request's last response, or the stream's end)
                     raise MoondreamError(error.message() if hasattr(error, "message") else str(error))
                 response = result.get_response()
                 final = response.parameters.get("triton_final_response")
+                ended = final is not None and final.bool_param
                 body = response_body(result)
                 if body is not None:
                     yield body
-                if final is not None and final.bool_param:
+                if ended:
                     return
         finally:
-            self.close()
+            # a request not ended (no response in time, or the caller stopped reading) is cancelled: closing its
+            # stream gracefully waits for the whole answer, or forever from a server that stopped answering. An
+            # ended one is not: a cancel racing the stream's end keeps tritonserver 2.51 from unloading the model
+            self.close(cancel=not ended)
 
     def cancel(self) -> None:
         self.close(cancel=True)

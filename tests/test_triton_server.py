@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import pyvips
 import tritonclient.grpc as grpcclient
+from conftest import wait_until
 from test_images import png_header_only
 
 from client import AsyncMoondreamClient, MoondreamClient, MoondreamError
@@ -296,6 +297,46 @@ def test_concurrent_streams_with_cancellations_and_metrics(triton_server, image)
     assert metric_sum(text, "kestrel_output_tokens_total") > 0
     assert metric_sum(text, "kestrel_time_to_first_token_seconds_count") > 0
     assert metric_sum(text, "kestrel_request_latency_seconds_count") > 0
+
+
+def test_the_clients_timeout_ends_a_call_whose_server_stopped_answering(triton_server, image):
+    """The server stops answering mid-stream (SIGSTOP): the call raises once the client's timeout passes, rather
+    than waiting for a stream that will not end (it is cancelled); resumed, the server frees the abandoned request's
+    pages and serves on. A caller that stops reading early cancels its request too."""
+    import os
+    import signal
+
+    client = MoondreamClient(triton_server["grpc"], timeout=2)
+    before = metric_sum(scrape(triton_server["metrics"]), "kestrel_requests_total", outcome="cancelled")
+    failed = []
+
+    def read_to_the_end(bodies):
+        try:
+            for _ in bodies:
+                pass
+        except MoondreamError as e:
+            failed.append(str(e))
+
+    long = {"length": "long", "settings": {"max_tokens": 1000, "temperature": 0}}  # (greedy: 1,000 tokens, no EOS)
+    bodies = client.stream("caption", image=image, **long)
+    next(bodies)
+    os.kill(triton_server.proc.pid, signal.SIGSTOP)
+    try:
+        reader = threading.Thread(target=read_to_the_end, args=(bodies,), daemon=True)
+        reader.start()
+        reader.join(15)
+    finally:
+        os.kill(triton_server.proc.pid, signal.SIGCONT)
+    assert not reader.is_alive() and failed == ["no response within 2 s"], failed
+    bodies = client.stream("caption", image=image, **long)
+    next(bodies)
+    t = time.perf_counter()
+    bodies.close()  # (the caller leaves)
+    assert time.perf_counter() - t < 2
+    assert client.query("Still there?", image, settings=GREEDY)["answer"] is not None
+    wait_until(lambda: metric_sum(scrape(triton_server["metrics"]), "kestrel_requests_total",
+                                  outcome="cancelled") >= before + 2, "both requests counted as cancelled", 30)
+    assert metric_sum(idle_metrics(triton_server), "kestrel_engine_state", state="kv_pages_used") == 0
 
 
 def test_cli_and_seed_client(triton_server, tiny_dir):
