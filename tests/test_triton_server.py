@@ -330,9 +330,7 @@ def test_the_clients_timeout_ends_a_call_whose_server_stopped_answering(triton_s
     assert not reader.is_alive() and failed == ["no response within 2 s"], failed
     bodies = client.stream("caption", image=image, **long)
     next(bodies)
-    t = time.perf_counter()
-    bodies.close()  # (the caller leaves)
-    assert time.perf_counter() - t < 2
+    bodies.close()  # the caller leaves: cancelled (a graceful close would wait for all 1,000 tokens: a success)
     assert client.query("Still there?", image, settings=GREEDY)["answer"] is not None
     wait_until(lambda: metric_sum(scrape(triton_server["metrics"]), "kestrel_requests_total",
                                   outcome="cancelled") >= before + 2, "both requests counted as cancelled", 30)
