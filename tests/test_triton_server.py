@@ -609,7 +609,7 @@ def test_sigterm_under_load_drains_admitted_requests_and_refuses_later_ones(tmp_
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     try:  # readiness false at once (the server is exiting: it answers "not ready" or refuses the call)
-        ready = grpcclient.InferenceServerClient(server["grpc"]).is_model_ready("moondream")
+        ready = grpcclient.InferenceServerClient(server["grpc"]).is_model_ready("moondream", client_timeout=10)
     except Exception:
         ready = False
     assert not ready
