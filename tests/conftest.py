@@ -101,6 +101,8 @@ class TritonProcess:
         self.grpc, self.http = f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}"
         self.metrics = f"http://127.0.0.1:{metrics}/metrics"
         _wait_ready(self, "tritonserver", self.http + "/v2/health/ready", 180)
+        # (tritonserver starts its metrics service just after the HTTP one: a scrape at once was refused)
+        _wait_ready(self, "tritonserver's metrics", self.metrics, 30)
 
     def __getitem__(self, key):  # tests read server["grpc"], server["metrics"], ...
         return getattr(self, key)
