@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import GATEWAY_KEY, GatewayProcess, TritonProcess
+from conftest import GATEWAY_KEY, GatewayProcess, TritonProcess, wait_until
 from conftest import http_request as request  # (status, JSON or None, headers)
 
 from client import MoondreamClient
@@ -394,10 +394,8 @@ def test_a_full_admission_queue_is_a_429_with_retry_after(tmp_path):
         from client.metrics import metric_sum, scrape
 
         def until(state: str) -> None:  # (a synchronisation, not a bound: the CI machine may be busy)
-            deadline = time.time() + 60
-            while metric_sum(scrape(server.metrics), "kestrel_engine_state", state=state) < 1:
-                assert time.time() < deadline, state
-                time.sleep(0.02)
+            wait_until(lambda: metric_sum(scrape(server.metrics), "kestrel_engine_state", state=state) >= 1,
+                       f"the engine's {state}", 60, poll=0.02)
 
         long = {"question": "Tell a long story.", "settings": {"max_tokens": 400, "temperature": 0}}
         answers = []
