@@ -240,6 +240,7 @@ def fp8_block_launches(x: torch.Tensor, ff: int, fc2_bias, tma: bool, qkv_norm_a
     w = Fp8Weight(torch.zeros(dim, ff, dtype=fp8), torch.ones(dim))
     fp8_linear(hidden8, bound, w, fc2_bias, accumulate=x, tma=tma)  # fc2, onto the residual stream
 
+
 def compile_for(capability: int, recorded: dict) -> tuple[list[str], int, dict]:
     """Every kernel variant the wrappers launch on a GPU of this capability, compiled (or found in `recorded`):
     (report lines, failures, the key and shared memory of each that compiled)."""
