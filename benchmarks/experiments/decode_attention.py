@@ -3,8 +3,8 @@
 and more had them) against grouped_attention (one program a group of rows on one prefix and head), and the prefill
 kernel's one-row work items (how a mixed step's decode rows went) against grouped_attention on gathered rows.
 Moondream's heads (32 of 64, bf16), rows at 776 positions whose first 720 are an image prefix that no rows, pairs
-of rows or all rows share; microseconds a layer (one launch), and grouped_attention's relative difference from the
-per-row kernel. --tiles: grouped_attention's tiles swept (positions a tile, pipeline stages, warps).
+of rows or all rows share; microseconds a layer (a call among 20 in a CUDA graph), and grouped_attention's relative
+difference from the per-row kernel. --tiles: grouped_attention's tiles swept (positions a tile, stages, warps).
 
     python benchmarks/experiments/decode_attention.py [--rows 16 64] [--tiles] [--out decode_attention.json]
 """
@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import timed  # noqa: E402
+from benchmarks.common import graph_timed  # noqa: E402
 from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
 from kestrel_backend.kernels import grouped_attention as ga  # noqa: E402
 from kestrel_backend.kernels import prefill_attention as pa  # noqa: E402
@@ -62,7 +62,14 @@ def decode_inputs(tables: torch.Tensor, pages: int, length: int) -> tuple[torch.
     return k_cache, v_cache, lens, slots, qkv, cos, sin
 
 
-TILES = [(64, 2, 4), (64, 3, 4), (64, 4, 4), (32, 4, 4), (128, 2, 4), (128, 3, 4), (64, 2, 8)]
+TILES = [(64, 2, 4), (64, 3, 4), (64, 4, 4), (32, 4, 4), (128, 2, 4), (128, 3, 4), (64, 2, 8), (32, 2, 2), (64, 2, 2),
+         (32, 2, 4)]
+
+
+def graphed_us(fn) -> float:
+    """Microseconds of one fn() on the GPU, as one of 20 calls in a CUDA graph (the engine's steps are graphs; an
+    eager call's launch from Python showed in the time: H200, 64 rows on one prefix, 98-142 eager against 63.5)."""
+    return graph_timed(fn, calls=20) * 1e3
 
 
 def measure(rows: int, sharing: str, tiles: bool = False) -> dict:
@@ -87,15 +94,15 @@ def measure(rows: int, sharing: str, tiles: bool = False) -> dict:
     context = (tables[:, positions // PAGE].long() * PAGE + positions % PAGE).reshape(-1)
     work = torch.tensor([[row, 1, 0, 0, LENGTH - 1, row * (LENGTH - 1)] for row in range(rows)],
                         dtype=torch.int32, device="cuda").reshape(-1)
-    us = {"per-row kernel": timed(lambda: per_row(1)) * 1e3,
-          "per-row kernel, 4 splits": timed(lambda: per_row(4)) * 1e3, "grouped": timed(grouped) * 1e3,
-          "prefill kernel, one-row items": timed(lambda: pa.prefill_attention(q, k, v, k_cache, v_cache, slots.long(),
-                                                                             work, context)) * 1e3,
-          "grouped, gathered rows": timed(lambda: grouped_attention(q, k, v, k_cache, v_cache, tables, lens, slots,
-                                                                    groups, shared, PAGE, rows=step_rows)) * 1e3}
+    us = {"per-row kernel": graphed_us(lambda: per_row(1)),
+          "per-row kernel, 4 splits": graphed_us(lambda: per_row(4)), "grouped": graphed_us(grouped),
+          "prefill kernel, one-row items": graphed_us(lambda: pa.prefill_attention(q, k, v, k_cache, v_cache,
+                                                                                  slots.long(), work, context)),
+          "grouped, gathered rows": graphed_us(lambda: grouped_attention(q, k, v, k_cache, v_cache, tables, lens, slots,
+                                                                         groups, shared, PAGE, rows=step_rows))}
     default = ga.KV_BLOCK, ga.STAGES, ga.WARPS
     for ga.KV_BLOCK, ga.STAGES, ga.WARPS in TILES if tiles else []:
-        us[f"grouped, {ga.KV_BLOCK} positions a tile, {ga.STAGES} stages, {ga.WARPS} warps"] = timed(grouped) * 1e3
+        us[f"grouped, {ga.KV_BLOCK} positions a tile, {ga.STAGES} stages, {ga.WARPS} warps"] = graphed_us(grouped)
     ga.KV_BLOCK, ga.STAGES, ga.WARPS = default
     return {"groups": n_groups, "us_a_layer": {name: round(t, 1) for name, t in us.items()},
             "grouped_relative_difference": round(difference, 5),

@@ -3,12 +3,13 @@ shared KV pages once for every row of its group.
 
 Questions on one image share its prefix's pages (the prefix cache), so a step of 64 rows on 32 images need
 read each image's 720 shared positions only once, not twice. The per-row kernel (decode_kernels) reads them
-once per row, and is bound by moving each row's keys into its program more than by HBM: H100, 64 rows at 776
-positions, 223 / 185 / 162 us a layer when no rows, pairs or all rows share the first 720 (here 217 / 146 / 117;
-benchmarks/experiments/decode_attention.py). Here a group's rows are one tensor-core tile of GROUP query rows: the shared
-positions are read once for the tile, each row's own positions (after the shared ones) in the same program with
-the other rows masked, and its new token, whose k/v the program also stores into the cache, straight from its
-qkv row. With few rows there are too few programs (16 rows, none sharing: 117 against 89 us).
+once per row, and is bound by moving each row's keys into its program more than by HBM: H200, 64 rows at 776
+positions, each call in a CUDA graph, 144 / 126 / 105 us a layer when no rows, pairs or all rows share the first 720
+(here 135 / 76 / 62, pairs against a 52 us KV floor; benchmarks/experiments/decode_attention.py). Here a group's rows
+are one tensor-core tile of GROUP query rows: the shared positions are read once for the tile, each row's own
+positions (after the shared ones) in the same program with the other rows masked, and its new token, whose k/v the
+program also stores into the cache, straight from its qkv row. With few rows there are too few programs (H100, 16
+rows, none sharing: 117 against 89 us).
 
 Groups come from the rows' page tables (group_rows): rows whose tables start with the same page share the
 pages that their tables have in common; a row alone is a group of one."""
@@ -21,8 +22,8 @@ import triton
 import triton.language as tl
 
 GROUP = 16  # rows a program takes (tl.dot's smallest tile); more rows on one prefix make several groups
-# positions a tile, warps, pipeline stages (H100, 64 rows in pairs: `decode_attention.py --tiles`; 3 or 4 stages,
-# or 32 or 128 positions a tile, 7 to 12% slower, 8 warps 24%)
+# positions a tile, warps, pipeline stages (64 rows in pairs: `decode_attention.py --tiles`; H100: 3 or 4 stages, or
+# 32 or 128 positions a tile, 7 to 12% slower, 8 warps 24%; H200 in CUDA graphs: every other tile 8 to 59% slower)
 KV_BLOCK, WARPS, STAGES = 64, 4, 2
 
 
