@@ -3,6 +3,7 @@ while the GPU was idle.
 
     python benchmarks/experiments/profile_burst.py [--model moondream2] [--batch 64] [--mode direct] [--images 256] [--out p.json]
         [--checkpoint DIR [--fp8-experts widen|fp8|both]]  # a checkpoint's weights (Kestrel's: kestrel_checkpoint.py)
+        [--vision-stream 1]  # the image path on its own CUDA stream (gpu_ops_at_once_ms: how long operations overlapped)
     python benchmarks/experiments/profile_burst.py --images 4 --batch 4   (without a GPU: a smoke run on tests/fixtures/md2-tiny)
 
 After a warm-up burst, one burst of kestrel_method.py's workload (fresh charts, two questions an image, every
@@ -219,6 +220,8 @@ def main() -> int:
     p.add_argument("--fp8-experts", default="widen", choices=FP8_EXPERT_MODES)
     p.add_argument("--light", action="store_true", help="no profiler: host time by perf_counter (above)")
     p.add_argument("--gaps", action="store_true", help="GPU operations only, idle time by its neighbours (above)")
+    p.add_argument("--vision-stream", type=int, default=RuntimeConfig.vision_stream, choices=[0, 1],
+                   help="KESTREL_VISION_STREAM: the image path on a CUDA stream of its own")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     tiny = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "md2-tiny"
@@ -231,7 +234,8 @@ def main() -> int:
     else:  # (a smoke run of this script)
         model = Moondream.from_checkpoint(tiny, dtype=torch.float32, device="cpu")
     engine = InferenceEngine(RuntimeConfig(device=str(model.device), max_batch_size=args.batch, max_queue=1 << 16,
-                                           max_step_tokens=args.max_step_tokens), model)
+                                           max_step_tokens=args.max_step_tokens, vision_stream=args.vision_stream),
+                             model)
     settings = {"temperature": 0, "max_tokens": OUTPUT_TOKENS[args.mode]}
     seed = time.time_ns() % (1 << 32)
 
@@ -275,6 +279,9 @@ def main() -> int:
                    if e.name.startswith(PREFIX) and e.device_type == torch.autograd.DeviceType.CPU)
     span_us = busy[-1][1] - busy[0][0] if busy else 0.0
     busy_ms = sum(e - s for s, e in busy) / 1000
+    # the GPU's operations' own times summed, less the time some ran: how long a second one ran beside another
+    ops_ms = sum(e.time_range.end - e.time_range.start for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA) / 1000
     in_marks = collections.Counter()
     for s, e, name in marks:
         in_marks[name] += (e - s) / 1000
@@ -283,10 +290,10 @@ def main() -> int:
         "checkpoint": str(args.checkpoint or ""), "fp8_experts": args.fp8_experts,
         "batch": args.batch, "mode": args.mode, "questions": len(pairs),
         "crops": sum(crop_count(image, model.config) for image in {image for image, _ in pairs}),
-        "max_step_tokens": args.max_step_tokens, "wall_s": wall,
+        "max_step_tokens": args.max_step_tokens, "vision_stream": args.vision_stream, "wall_s": wall,
         "req_per_s": len(pairs) / wall, "steps": engine.scheduler.steps - steps_before,
         "engine_thread_cpu_s": cpu, "gpu_span_ms": span_us / 1000, "gpu_busy_ms": busy_ms,
-        "gpu_idle_ms": span_us / 1000 - busy_ms, "idle_by_phase_ms": charge_idle(busy, marks) if marks else {},
+        "gpu_idle_ms": span_us / 1000 - busy_ms, "gpu_ops_ms": ops_ms, "gpu_ops_at_once_ms": ops_ms - busy_ms, "idle_by_phase_ms": charge_idle(busy, marks) if marks else {},
         "engine_thread_ms_by_phase (nested phases counted in each)": dict(in_marks.most_common()),
         "engine thread ms a request by function, calls a request (--light; nested ones counted in each)": {
             k: round(v * (1 if k.endswith("(calls)") else 1000) / len(pairs), 3) for k, v in host_s.most_common()},
