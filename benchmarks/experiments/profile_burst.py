@@ -279,7 +279,7 @@ def main() -> int:
                    if e.name.startswith(PREFIX) and e.device_type == torch.autograd.DeviceType.CPU)
     span_us = busy[-1][1] - busy[0][0] if busy else 0.0
     busy_ms = sum(e - s for s, e in busy) / 1000
-    # the GPU's operations' own times summed, less the time some ran: how long a second one ran beside another
+    # the GPU's operations' own times summed; less the busy time, how long operations ran beside another one
     ops_ms = sum(e.time_range.end - e.time_range.start for e in events
                  if e.device_type == torch.autograd.DeviceType.CUDA) / 1000
     in_marks = collections.Counter()
@@ -293,7 +293,8 @@ def main() -> int:
         "max_step_tokens": args.max_step_tokens, "vision_stream": args.vision_stream, "wall_s": wall,
         "req_per_s": len(pairs) / wall, "steps": engine.scheduler.steps - steps_before,
         "engine_thread_cpu_s": cpu, "gpu_span_ms": span_us / 1000, "gpu_busy_ms": busy_ms,
-        "gpu_idle_ms": span_us / 1000 - busy_ms, "gpu_ops_ms": ops_ms, "gpu_ops_at_once_ms": ops_ms - busy_ms, "idle_by_phase_ms": charge_idle(busy, marks) if marks else {},
+        "gpu_idle_ms": span_us / 1000 - busy_ms, "gpu_ops_ms": ops_ms, "gpu_ops_at_once_ms": ops_ms - busy_ms,
+        "idle_by_phase_ms": charge_idle(busy, marks) if marks else {},
         "engine_thread_ms_by_phase (nested phases counted in each)": dict(in_marks.most_common()),
         "engine thread ms a request by function, calls a request (--light; nested ones counted in each)": {
             k: round(v * (1 if k.endswith("(calls)") else 1000) / len(pairs), 3) for k, v in host_s.most_common()},
