@@ -3,7 +3,7 @@ while the GPU was idle.
 
     python benchmarks/experiments/profile_burst.py [--model moondream2] [--batch 64] [--mode direct] [--images 256] [--out p.json]
         [--checkpoint DIR [--fp8-experts widen|fp8|both]]  # a checkpoint's weights (Kestrel's: kestrel_checkpoint.py)
-        [--vision-stream 1]  # the image path on its own CUDA stream (gpu_ops_at_once_ms: how long operations overlapped)
+        [--vision-stream 1]  # the image path on a CUDA stream of its own (gpu_ops_at_once_ms: ops side by side)
     python benchmarks/experiments/profile_burst.py --images 4 --batch 4   (without a GPU: a smoke run on tests/fixtures/md2-tiny)
 
 After a warm-up burst, one burst of kestrel_method.py's workload (fresh charts, two questions an image, every
