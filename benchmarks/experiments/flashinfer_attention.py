@@ -26,20 +26,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import graph_timed  # noqa: E402
-from benchmarks.experiments.decode_attention import HEAD_DIM, HEADS, PAGE, decode_inputs, tables_for  # noqa: E402
+from benchmarks.experiments.decode_attention import (HEAD_DIM, HEADS, PAGE, decode_inputs,  # noqa: E402
+                                                    graphed_us, tables_for)
 from kestrel_backend.kernels import decode_kernels as dk  # noqa: E402
 from kestrel_backend.kernels import prefill_attention as pa  # noqa: E402
 from kestrel_backend.kernels.grouped_attention import GROUP, group_rows, grouped_attention  # noqa: E402
 
 PROMPT, IMAGE_PREFIX = 742, 730  # a fresh prompt's positions; its image prefix (BOS and 729 image tokens)
 WORKSPACE = 256 * 2**20
-
-
-def graphed(fn) -> float:
-    """Microseconds of one fn() on the GPU: calls captured in one CUDA graph, as the engine runs its steps (a call
-    timed alone would time its launch from Python)."""
-    return graph_timed(fn, calls=20) * 1e3
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -49,14 +43,14 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def decode(fi, rows: int, length: int, sharing: str) -> dict:
     tables, pages = tables_for(rows, sharing, length)  # ("all": 720 of the positions a shared prefix)
     k_cache, v_cache, lens, slots, qkv, cos, sin = decode_inputs(tables, pages, length)
-    us = {"ours, per-row kernel (rope and k/v write included)": graphed(lambda: dk.rotary_paged_attention(
+    us = {"ours, per-row kernel (rope and k/v write included)": graphed_us(lambda: dk.rotary_paged_attention(
         qkv, cos, sin, k_cache, v_cache, tables, lens, slots, HEADS, PAGE))}
     heads = qkv.view(rows, 3 * HEADS, HEAD_DIM)
     if sharing == "all":
         groups, shared = np.zeros((rows, GROUP), np.int32), np.zeros(rows, np.int32)
         group_rows(tables.cpu().numpy(), np.full(rows, length - 1), PAGE, groups, shared)
         groups, shared = torch.from_numpy(groups).cuda(), torch.from_numpy(shared).cuda()
-        us["ours, grouped (rope and k/v write included)"] = graphed(lambda: grouped_attention(
+        us["ours, grouped (rope and k/v write included)"] = graphed_us(lambda: grouped_attention(
             heads[:, :HEADS], heads[:, HEADS:2 * HEADS], heads[:, 2 * HEADS:], k_cache, v_cache, tables, lens, slots,
             groups, shared, PAGE, cos, sin))
     q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)  # (taken as rotated already)
@@ -72,7 +66,7 @@ def decode(fi, rows: int, length: int, sharing: str) -> dict:
         wrapper.plan(indptr, indices, last, HEADS, HEADS, HEAD_DIM, PAGE, q_data_type=torch.bfloat16,
                      kv_data_type=torch.bfloat16)
         out = wrapper.run(q, paged)
-        us[name] = graphed(lambda: wrapper.run(q, paged))
+        us[name] = graphed_us(lambda: wrapper.run(q, paged))
     positions = torch.arange(length, device="cuda")
     rows_of = tables[:, positions // PAGE].long() * PAGE + positions % PAGE  # [rows, length] cache rows
     k, v = k_cache[rows_of], v_cache[rows_of]  # [rows, length, H, D]
@@ -99,8 +93,8 @@ def prefill(fi, sequences: int) -> dict:
                          for tile in range(-(-PROMPT // pa.BLOCK_M))], dtype=torch.int32, device="cuda").reshape(-1)
     context = torch.zeros(1, dtype=torch.long, device="cuda")
     ours = pa.prefill_attention(q, k, v, k_cache, v_cache, slots, work, context)
-    us = {"ours (k/v write included)": graphed(lambda: pa.prefill_attention(q, k, v, k_cache, v_cache, slots, work,
-                                                                            context))}
+    us = {"ours (k/v write included)": graphed_us(lambda: pa.prefill_attention(q, k, v, k_cache, v_cache, slots, work,
+                                                                               context))}
     qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
     indptr = torch.arange(sequences + 1, dtype=torch.int32, device="cuda") * PROMPT
     mask = our_mask(PROMPT, IMAGE_PREFIX)
@@ -112,7 +106,7 @@ def prefill(fi, sequences: int) -> dict:
                                                           "NHD")
         wrapper.plan(indptr, indptr, HEADS, HEADS, HEAD_DIM, q_data_type=torch.bfloat16, **kwargs)
         out[name] = wrapper.run(qc, kc, vc)
-        us[name] = graphed(lambda: wrapper.run(qc, kc, vc))
+        us[name] = graphed_us(lambda: wrapper.run(qc, kc, vc))
     # our mask in two calls: every image prefix whole (no mask), then every text tail causally over its prompt
     prefix_rows = torch.cat([torch.arange(i * PROMPT, i * PROMPT + IMAGE_PREFIX) for i in range(sequences)]).cuda()
     tail_rows = torch.cat([torch.arange(i * PROMPT + IMAGE_PREFIX, (i + 1) * PROMPT) for i in range(sequences)]).cuda()
@@ -125,7 +119,7 @@ def prefill(fi, sequences: int) -> dict:
     tail.plan(tail_indptr, indptr, HEADS, HEADS, HEAD_DIM, causal=True, q_data_type=torch.bfloat16)
     two = torch.empty_like(qc)
     two[prefix_rows], two[tail_rows] = whole.run(qp, kp, vp), tail.run(qt, kc, vc)
-    us["flashinfer, our mask in two calls: prefixes whole, tails causal (attention alone)"] = graphed(
+    us["flashinfer, our mask in two calls: prefixes whole, tails causal (attention alone)"] = graphed_us(
         lambda: (whole.run(qp, kp, vp), tail.run(qt, kc, vc)))
     s0 = slice(0, PROMPT)
     reference = torch.nn.functional.scaled_dot_product_attention(
