@@ -100,11 +100,9 @@ def test_a_job_of_mixed_skills_and_bad_lines_answers_every_line_in_order(gateway
     assert metric_sum(metrics, "kestrel_gateway_batch_lines_total", outcome="unknown_skill") >= 1
     assert metric_sum(metrics, "kestrel_gateway_batch_lines_total", outcome="ok") >= 5
     # the gauges follow at the next heartbeat (a third of the 3 s lease): jobs by state, the data folder's bytes
-    deadline = time.monotonic() + 10
-    while metric_sum(metrics, "kestrel_gateway_batch_jobs", state="completed") < 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-        metrics = scrape(gateway.url + "/metrics", api_key=GATEWAY_KEY)
-    assert metric_sum(metrics, "kestrel_gateway_batch_jobs", state="completed") >= 1
+    wait_until(lambda: metric_sum(scrape(gateway.url + "/metrics", api_key=GATEWAY_KEY), "kestrel_gateway_batch_jobs",
+                                  state="completed") >= 1, "the completed job in the gauges", 10, poll=0.2)
+    metrics = scrape(gateway.url + "/metrics", api_key=GATEWAY_KEY)
     assert metric_sum(metrics, "kestrel_gateway_batch_disk_bytes", where="data_folder") > 0
     assert not list((Path(gateway.log).parent / "data" / "inputs").glob("*.jsonl"))  # (inputs go once processed)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import moondream
 import openai
 import pytest
-from conftest import GATEWAY_KEY, http_request
+from conftest import GATEWAY_KEY, http_request, wait_until
 from moondream.types import Base64EncodedImage
 from test_triton_server import idle_metrics
 
@@ -219,10 +219,8 @@ def test_a_client_that_disconnects_cancels_its_request(gateway, triton_server, p
             "stream": stream, "settings": {"max_tokens": 1000, "temperature": 0}}  # (greedy: 1,000 tokens, no EOS)
     got = _send_and_hang_up(gateway, "/v1/caption", body, b"data: " if stream else b"")
     assert not stream or b"data: " in got
-    deadline = time.time() + 30
-    while metric_sum(scrape(triton_server["metrics"]), "kestrel_requests_total", outcome="cancelled") == before and \
-            time.time() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: metric_sum(scrape(triton_server["metrics"]), "kestrel_requests_total", outcome="cancelled")
+               != before, "the request counted as cancelled", 30, poll=0.2)
     text = idle_metrics(triton_server)
     assert metric_sum(text, "kestrel_engine_state", state="kv_pages_used") == 0
     assert metric_sum(text, "kestrel_requests_total", outcome="cancelled") == before + 1
