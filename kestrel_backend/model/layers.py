@@ -1,5 +1,6 @@
 """Small functional building blocks shared by the vision and text towers."""
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +16,18 @@ def to_device(values, dtype, device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def arrays_to_device(arrays: list[np.ndarray], device) -> torch.Tensor:
+    """Host arrays joined along their first axis, as one tensor on the device; on a GPU joined straight into pinned
+    memory, the CPU not waiting for the device's queued work (as to_device). Torch's caching host allocator hands
+    the pinned block out again only once its copy is done, so nothing here waits for an earlier copy either."""
+    if torch.device(device).type != "cuda":
+        return torch.from_numpy(np.concatenate(arrays)).to(device)
+    rows = sum(len(a) for a in arrays)
+    host = torch.empty((rows, *arrays[0].shape[1:]), dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=True)
+    np.concatenate(arrays, out=host.numpy())
+    return host.to(device, non_blocking=True)
 
 
 def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from .config import VisionConfig
 from .fp8 import fp8_block
 from .image_crops import overlap_crops, reconstruct
-from .layers import layer_norm, linear, mlp, mlp_hidden
+from .layers import arrays_to_device, layer_norm, linear, mlp, mlp_hidden
 from .weights import VisionWeights
 
 
@@ -29,10 +29,11 @@ def normalise(crops: torch.Tensor, dtype) -> torch.Tensor:
 
 def upload(crops: list, device) -> torch.Tensor:
     """Several images' crops (uint8 arrays, or tensors on the device already: runtime.crop_staging) as one uint8
-    tensor on the device."""
+    tensor on the device, copied through pinned memory (a copy from pageable memory first waits for every step and
+    encode queued on its stream: the GPU then idled while the engine thread caught up)."""
     if not any(isinstance(c, torch.Tensor) for c in crops):
-        return torch.from_numpy(np.concatenate(crops)).to(device)
-    return torch.cat([torch.as_tensor(c).to(device) for c in crops])
+        return arrays_to_device(crops, device)
+    return torch.cat([c if isinstance(c, torch.Tensor) else arrays_to_device([c], device) for c in crops])
 
 
 def patchify(x: torch.Tensor, patch: int, width: int) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The crops of waiting requests' new images, copied to the GPU while the running step's work is on it.
 
-Encoding a step's new images began with copying their crops in (about 4 MB an image): joined on the CPU and copied
-from pageable memory, which waits for the copy to end, while the GPU had nothing to do. Staged here after the step's
-work is launched (through one pinned buffer, the copy on the engine's stream), the next step's encode finds them on
-the GPU already.
+Encoding a step's new images began with copying their crops in (about 4 MB an image), while the GPU had nothing to
+do. Staged here after the step's work is launched (joined into pinned memory, the copy queued on the stream of the
+encodes), the next step's encode finds them on the GPU already. Nothing here waits for the GPU: each staging takes
+pinned memory of its own from torch's caching host allocator, which reuses a block once its copy is done (one
+buffer, waited for before each refill, held the engine thread until every encode queued before that copy was done:
+with the image path on a stream of its own, the next 16 requests' encodes).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..model import vision
+from ..model.layers import arrays_to_device
 from ..model.moondream import Moondream
 
 MAX_STAGED_CROPS = 2 * vision.CROPS_PER_BATCH  # about 55 MB of 378 px crops
@@ -18,10 +21,7 @@ MAX_STAGED_CROPS = 2 * vision.CROPS_PER_BATCH  # about 55 MB of 378 px crops
 
 class CropStaging:
     def __init__(self, model: Moondream):
-        v = model.config.vision
         self.device = model.device
-        self._pinned = torch.empty(MAX_STAGED_CROPS, v.crop_size, v.crop_size, 3, dtype=torch.uint8, pin_memory=True)
-        self._copied: torch.cuda.Event | None = None  # the last copy out of the pinned buffer
         self._staged: dict[str, torch.Tensor] = {}  # image key -> its crops on the GPU
 
     def stage(self, waiting, encoded) -> None:
@@ -41,12 +41,7 @@ class CropStaging:
             n += len(seq.cropped[0])
         if not picked:
             return
-        if self._copied is not None:
-            self._copied.synchronize()  # (the pinned buffer's last copy, queued behind the last step's encode ahead)
-        torch.cat([torch.from_numpy(crops) for crops in picked.values()], out=self._pinned[:n])
-        on_gpu = self._pinned[:n].to(self.device, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        on_gpu = arrays_to_device(list(picked.values()), self.device)
         self._staged.update(zip(picked, on_gpu.split([len(crops) for crops in picked.values()])))
 
     def take(self, key: str) -> torch.Tensor | None:

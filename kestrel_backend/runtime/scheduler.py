@@ -211,37 +211,6 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
                 self.cache.free(a.id)
         self.steps += 1
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
     # --- leaving ---
     def _end(self, seq: Sequence, error: BaseException | None = None) -> None:
         self.cache.free(seq.id)
@@ -265,6 +234,3 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
             task.add_done_callback(self._refining.pop)
             return
         seq.delivery.finish(result, last)
-
-
-

@@ -186,4 +186,3 @@ class TritonBridge:
     def _error(self, sender, message: str, unavailable: bool = False) -> Outgoing:
         TE = self.pb.TritonError
         return Outgoing(sender, final=True, error=TE(message, TE.UNAVAILABLE) if unavailable else TE(message))
-

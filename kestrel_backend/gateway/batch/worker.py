@@ -223,4 +223,3 @@ class BatchWorker:
             self.metrics.jobs.labels(state).set(count)
         self.metrics.disk.labels("data_folder").set(await asyncio.to_thread(self.folder.bytes_used))
         self.metrics.disk.labels("job_store").set(await asyncio.to_thread(self.store.size_bytes) or 0)
-
