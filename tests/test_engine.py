@@ -863,27 +863,32 @@ def test_a_lone_prefills_first_decode_step_is_launched_behind_it_when_the_next_s
         return seq
 
     new, leaving, staying = text_seq(1, 30), text_seq(2, 30, tokens_so_far=29), text_seq(3, 30, tokens_so_far=5)
-    try:
-        assert s.may_launch_first_decode([new], [leaving]) and s.may_launch_first_decode([new], [])
-        assert not s.may_launch_first_decode([new], [leaving, staying])  # (the next step decodes staying too)
-        assert not s.may_launch_first_decode([text_seq(4, 1)], [])  # (its first token is its last)
-        assert not s.may_launch_first_decode([text_seq(5, 30, temperature=0.5)], [])
-        s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))
-        assert not s.may_launch_first_decode([new], [leaving])  # (it could join the next step: it would wait)
-        s.max_batch_size, slots = 1, s.max_batch_size
-        adapter = asyncio.run_coroutine_threadsafe(engine.adapters.acquire("r4"), engine.loop).result(timeout=60)
+    adapter = asyncio.run_coroutine_threadsafe(engine.adapters.acquire("r4"), engine.loop).result(timeout=60)
+
+    async def checks():  # on the engine's loop, without an await: no step runs while the placeholder waits
+        slots = s.max_batch_size
         try:
+            assert s.may_launch_first_decode([new], [leaving]) and s.may_launch_first_decode([new], [])
+            assert not s.may_launch_first_decode([new], [leaving, staying])  # (the next step decodes staying too)
+            assert not s.may_launch_first_decode([text_seq(4, 1)], [])  # (its first token is its last)
+            assert not s.may_launch_first_decode([text_seq(5, 30, temperature=0.5)], [])
+            s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))
+            assert not s.may_launch_first_decode([new], [leaving])  # (it could join the next step: it would wait)
+            s.max_batch_size = 1
             assert s.may_launch_first_decode([new], [leaving])  # (every slot taken: it waits anyway)
             new.adapter = adapter
             assert not s.may_launch_first_decode([new], [leaving])  # (the step launched ahead has no adapters)
         finally:
             s.max_batch_size, new.adapter = slots, None
-            engine.adapters.release(adapter)
-        banned = new.generation.banned_after_next_token()
-        new.generation.on_output(5, None)
-        assert banned == new.generation.choice().banned == (engine.model.config.tokenizer.answer_id,)
+            s.waiting.clear()
+
+    try:
+        asyncio.run_coroutine_threadsafe(checks(), engine.loop).result(timeout=60)
     finally:
-        s.waiting.clear()
+        engine.adapters.release(adapter)
+    banned = new.generation.banned_after_next_token()
+    new.generation.on_output(5, None)
+    assert banned == new.generation.choice().banned == (engine.model.config.tokenizer.answer_id,)
 
 
 def test_a_sequence_taking_its_last_token_gives_its_slot_to_the_next_request(tiny_dir):
