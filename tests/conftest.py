@@ -14,7 +14,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def pytest_configure(config):
-    """Under pytest-xdist each worker computes with one thread: three workers on CI's two CPUs, not six threads."""
+    """Under pytest-xdist each worker computes with one thread: two workers on CI's two CPUs, not four threads."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
