@@ -407,6 +407,73 @@ def test_mixed_steps_decode_running_sequences_in_the_prefill_forward_and_keep_th
         eng.shutdown()
 
 
+@pytest.mark.parametrize("name", ["md2-tiny", "md3-tiny"])
+def test_mixed_steps_launched_ahead_keep_the_answers_and_lose_nothing(name, tiny_dir):
+    """KESTREL_MIXED_AHEAD=1: greedy text queries of 2 to 8 tokens, 24 at once through 4 slots (on one image, so
+    that the image's prefix is shared too), some streamed and cancelled after their first chunk: the steps that
+    admit are launched before the host has read the step before's tokens, the running rows' inputs taken on the
+    device; every answer equals the one without, and the golden queries their reference answers. A failure while
+    launching one ends the requests it admitted, and only them; no KV page is left held."""
+    folder = tiny_dir.parent / name
+    image = (folder / "images" / "small.png").read_bytes()
+    golden = [c for c in json.loads((folder / "cases.json").read_text())["cases"]
+              if c["kind"] in ("query", "caption") and not c.get("adapter")]
+
+    def burst(eng, cancel: bool):
+        async def one(i):
+            settings = {"max_tokens": 2 + i % 7, "temperature": 0}
+            if cancel and i % 5 == 0:
+                stream = await eng.query(image, f"question {i}", stream=True, settings=settings)
+                async for _ in stream:
+                    stream.cancel()
+                    break
+                return None
+            return (await eng.query(image if i % 2 else None, f"question {i}", settings=settings)).output
+
+        async def run():
+            return await asyncio.gather(*[one(i) for i in range(24)], return_exceptions=True)
+        return asyncio.run(run())
+
+    def engine_with(ahead: int):
+        return InferenceEngine.create(RuntimeConfig(model_path=str(folder), device="cpu", dtype="float32",
+                                                    max_batch_size=4, max_step_tokens=0, mixed_ahead=ahead))
+    plain = engine_with(0)
+    try:
+        expected = burst(plain, cancel=False)
+    finally:
+        plain.shutdown()
+    eng = engine_with(1)
+    try:
+        s = eng.scheduler
+        assert burst(eng, cancel=False) == expected and s.steps_mixed_ahead >= 8
+        launched = s.steps_mixed_ahead
+        answers = burst(eng, cancel=True)
+        assert s.steps_mixed_ahead > launched and eng.no_request_holds_pages()
+        assert [a for i, a in enumerate(answers) if i % 5] == [a for i, a in enumerate(expected) if i % 5]
+
+        async def golden_together():
+            return await asyncio.gather(*[parity.submit_case(eng, folder, c) for c in golden])
+        for case, result in zip(golden, asyncio.run(golden_together())):
+            _check_against_golden(eng, case, result)
+
+        forward, failed_once = s.forward_flat, []
+
+        def failing(prefilling, decoding=(), ahead=(), fed_back=None):
+            if fed_back is not None and not failed_once:
+                failed_once.extend(prefilling)
+                raise RuntimeError("injected fault in a mixed step launched ahead")
+            return forward(prefilling, decoding, ahead, fed_back)
+        s.forward_flat = failing
+        results = burst(eng, cancel=False)
+        errors = [r for r in results if isinstance(r, Exception)]
+        assert failed_once and len(errors) == len(failed_once)
+        assert all("injected fault in a mixed step launched ahead" in str(e) for e in errors)
+        assert all(r == expected[i] for i, r in enumerate(results) if not isinstance(r, Exception))
+        assert eng.no_request_holds_pages()
+    finally:
+        eng.shutdown()
+
+
 def test_under_a_backlog_requests_are_admitted_in_groups(tiny_dir):
     """KESTREL_ADMIT_GROUP=3 with 4 slots: text queries of 1 to 6 tokens, all at once, free their slots one or two
     at a time; while more wait than slots are free, a step admits none until 3 are free, then 3 or more together
