@@ -192,8 +192,7 @@ def decode_steps(model: Moondream, batches, context: int, bandwidth: float, back
 
 def engine_golden_check(fixture_name: str = "md2-tiny", max_batch_size: int = 32,
                         mixed_steps: int = RuntimeConfig.mixed_steps,
-                        vision_stream: int = RuntimeConfig.vision_stream,
-                        mixed_ahead: int = RuntimeConfig.mixed_ahead) -> dict:
+                        vision_stream: int = RuntimeConfig.vision_stream) -> dict:
     """The whole GPU engine path (prefill, CUDA-graph decode of fused kernels, batched sampling) in float32
     against the reference's greedy tokens and boxes on the tiny fixture: 32 mixed requests at once (a bucket of
     MANY_ROWS sequences: past 640 positions its attention is split over the context), the same 32 again (their
@@ -210,7 +209,7 @@ def engine_golden_check(fixture_name: str = "md2-tiny", max_batch_size: int = 32
     refiner = fixture / "seg_refiner"
     engine = InferenceEngine.create(RuntimeConfig(model_path=str(fixture), device="cuda", dtype="float32",
                                                   max_batch_size=max_batch_size, mixed_steps=mixed_steps,
-                                                  vision_stream=vision_stream, mixed_ahead=mixed_ahead,
+                                                  vision_stream=vision_stream,
                                                   adapter_dir=str(adapters) if adapters.is_dir() else "",
                                                   seg_refiner_path=str(refiner) if refiner.is_dir() else ""))
     try:
@@ -230,7 +229,7 @@ def engine_golden_check(fixture_name: str = "md2-tiny", max_batch_size: int = 32
         stats = engine.stats()
         out = {"engine_fp32_golden_equal": f"{ok}/{len(batch)}", "pages_free_after": engine.no_request_holds_pages(),
                "prefix_hits": stats["prefix_hits"], "decode_steps_launched_ahead": dict(engine.scheduler.steps_ahead),
-               "steps_mixed": engine.scheduler.steps_mixed, "steps_mixed_ahead": engine.scheduler.steps_mixed_ahead}
+               "steps_mixed": engine.scheduler.steps_mixed}
         if refiner.is_dir():
             out["segment_refiner_gpu"] = segment_refiner_check(engine, fixture, all_cases)
         return out

@@ -141,8 +141,7 @@ def burst_counters(engine) -> dict:
     import torch
 
     s = engine.scheduler
-    counters = {"steps": s.steps, "steps_mixed": s.steps_mixed, "steps_mixed_ahead": s.steps_mixed_ahead,
-                "prefixes_ahead": s.prefixes_ahead,
+    counters = {"steps": s.steps, "steps_mixed": s.steps_mixed, "prefixes_ahead": s.prefixes_ahead,
                 **{f"decode_steps_launched_ahead_{k}": v for k, v in s.steps_ahead.items()},
                 **{f"{k}_s": v for k, v in s.phase_s.items()}}
     if torch.cuda.is_available():
@@ -255,8 +254,6 @@ def main() -> int:
                    help="KESTREL_PREFILL_FP8 settings, each in turn on a burst of its own")
     p.add_argument("--vision-stream", type=int, nargs="+", default=[RuntimeConfig.vision_stream], choices=[0, 1],
                    help="KESTREL_VISION_STREAM settings, each in turn on a burst of its own (0 1 0 1: in turns)")
-    p.add_argument("--mixed-ahead", type=int, nargs="+", default=[RuntimeConfig.mixed_ahead], choices=[0, 1],
-                   help="KESTREL_MIXED_AHEAD settings, each in turn on a burst of its own (0 1 0 1: in turns)")
     p.add_argument("--fp8-experts", default="widen", choices=FP8_EXPERT_MODES,
                    help="what becomes of a checkpoint's FP8 experts (Kestrel's files): as KESTREL_FP8_EXPERTS")
     p.add_argument("--out", type=Path)
@@ -293,7 +290,7 @@ def main() -> int:
     for batch in args.batch_sizes:
         lists = {"max_step_tokens": args.max_step_tokens, "admit_group": args.admit_groups,
                  "mixed_steps": args.mixed_steps, "prefix_ahead": args.prefix_ahead, "vision_fp8": args.vision_fp8,
-                 "prefill_fp8": args.prefill_fp8, "vision_stream": args.vision_stream, "mixed_ahead": args.mixed_ahead}
+                 "prefill_fp8": args.prefill_fp8, "vision_stream": args.vision_stream}
         for mode, *values in itertools.product(args.modes, *lists.values()):
             pairs = fresh_burst()
             knobs = dict(zip(lists, values))
@@ -313,8 +310,7 @@ def main() -> int:
             rows += run_triton(batch, args.modes, fresh_burst, warmup, args.client_processes, args.checkpoint,
                                args.grpc_port)
             print(json.dumps(rows[-len(args.modes):]), flush=True)
-    print("\n| mode | batch | step budget, admit group, mixed, prefix ahead, vision FP8, prefill FP8, vision stream, "
-          "mixed ahead "
+    print("\n| mode | batch | step budget, admit group, mixed, prefix ahead, vision FP8, prefill FP8, vision stream "
           "| req/s | engine P50 ms | engine TTFT p50 ms | floor req/s "
           "| Kestrel published req/s (P50) | ours / published | Kestrel here req/s (P50) | ours / here |\n"
           + "| --- " * 11 + "|")
@@ -325,7 +321,7 @@ def main() -> int:
         r["kestrel_published"], r["kestrel_here"] = pub, here
         print(f"| {r['mode']} | {r['batch']} | {r.get('max_step_tokens', '')}, {r.get('admit_group', '')}, "
               f"{r.get('mixed_steps', '')}, {r.get('prefix_ahead', '')}, {r.get('vision_fp8', '')}, "
-              f"{r.get('prefill_fp8', '')}, {r.get('vision_stream', '')}, {r.get('mixed_ahead', '')} | "
+              f"{r.get('prefill_fp8', '')}, {r.get('vision_stream', '')} | "
               f"{r['req_per_s']:.1f} | "
               f"{r['engine_p50_ms']:.0f} | "
               f"{r['engine_ttft_p50_ms']:.0f} | {r.get('floor_req_per_s', float('nan')):.0f} | {_cell(pub)} | "

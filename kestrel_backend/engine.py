@@ -95,8 +95,7 @@ class InferenceEngine:
                                    config.prefix_cache_size, crop_encoder, self.adapters, config.max_step_tokens,
                                    config.admit_group, bool(config.mixed_steps),
                                    config.resolved_prefix_ahead(model.config.text.moe is not None),
-                                   config.batch_step_tokens, make_vision_stream(model, bool(config.vision_stream)),
-                                   bool(config.mixed_steps and config.mixed_ahead))
+                                   config.batch_step_tokens, make_vision_stream(model, bool(config.vision_stream)))
         warm_rows = min(config.max_step_tokens or EAGER_WARM_ROWS, EAGER_WARM_ROWS)
         mixed_rows = config.max_batch_size if config.mixed_steps else 0  # (the decode rows a mixed step takes on)
         self.scheduler.warm_eager_prefill(warm_rows + mixed_rows)

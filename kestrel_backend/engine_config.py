@@ -68,8 +68,6 @@ class RuntimeConfig:
     # are free (0: as slots free): fewer, larger prefill steps, each reading every weight once
     mixed_steps: int = 1  # a step that admits requests decodes the running ones in its prefill forward (one read of
     # every weight a step, not two); 0: a decode step of its own after the prefill
-    mixed_ahead: int = 0  # 1: a mixed step is launched before the host has read the last step's tokens (the running
-    # sequences' inputs fed back on the device), so the GPU need not wait while the host reads, streams and admits
     prefix_ahead: int = -1  # under a backlog, once this many waiting requests' images are encoded, their prefixes
     # are prefilled together ahead of admission, into the prefix cache (0: off, each prefilled as its request joins;
     # -1: PREFIX_AHEAD_MOE for a mixture of experts, whose prefill steps read every expert, with at least
@@ -106,8 +104,7 @@ class RuntimeConfig:
         "device": "KESTREL_DEVICE", "dtype": "KESTREL_DTYPE", "max_batch_size": "KESTREL_MAX_BATCH_SIZE",
         "max_step_tokens": "KESTREL_MAX_STEP_TOKENS", "batch_step_tokens": "KESTREL_BATCH_STEP_TOKENS",
         "admit_group": "KESTREL_ADMIT_GROUP",
-        "mixed_steps": "KESTREL_MIXED_STEPS", "mixed_ahead": "KESTREL_MIXED_AHEAD",
-        "prefix_ahead": "KESTREL_PREFIX_AHEAD",
+        "mixed_steps": "KESTREL_MIXED_STEPS", "prefix_ahead": "KESTREL_PREFIX_AHEAD",
         "max_queue": "KESTREL_MAX_QUEUE", "page_size": "KESTREL_PAGE_SIZE", "kv_pages": "KESTREL_KV_PAGES",
         "max_context": "KESTREL_MAX_CONTEXT", "image_cache_size": "KESTREL_IMAGE_CACHE_SIZE",
         "prefix_cache_size": "KESTREL_PREFIX_CACHE_SIZE",
@@ -167,7 +164,7 @@ class RuntimeConfig:
                 raise ConfigError(f"{self.ENV[name]} must be 0 or positive, got {getattr(self, name)}")
         if self.prefix_ahead < -1:
             raise ConfigError(f"KESTREL_PREFIX_AHEAD must be -1 (by model), 0 or positive, got {self.prefix_ahead}")
-        for name in ("vision_fp8", "prefill_fp8", "mixed_ahead"):
+        for name in ("vision_fp8", "prefill_fp8"):
             if getattr(self, name) not in (0, 1):
                 raise ConfigError(f"{self.ENV[name]} must be 0 or 1, got {getattr(self, name)}")
         if self.fp8_experts not in FP8_EXPERT_MODES:

@@ -222,8 +222,6 @@ def main() -> int:
     p.add_argument("--gaps", action="store_true", help="GPU operations only, idle time by its neighbours (above)")
     p.add_argument("--vision-stream", type=int, default=RuntimeConfig.vision_stream, choices=[0, 1],
                    help="KESTREL_VISION_STREAM: the image path on a CUDA stream of its own")
-    p.add_argument("--mixed-ahead", type=int, default=RuntimeConfig.mixed_ahead, choices=[0, 1],
-                   help="KESTREL_MIXED_AHEAD: a step that admits launched before the last one's tokens are read")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     tiny = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "md2-tiny"
@@ -236,8 +234,7 @@ def main() -> int:
     else:  # (a smoke run of this script)
         model = Moondream.from_checkpoint(tiny, dtype=torch.float32, device="cpu")
     engine = InferenceEngine(RuntimeConfig(device=str(model.device), max_batch_size=args.batch, max_queue=1 << 16,
-                                           max_step_tokens=args.max_step_tokens, vision_stream=args.vision_stream,
-                                           mixed_ahead=args.mixed_ahead),
+                                           max_step_tokens=args.max_step_tokens, vision_stream=args.vision_stream),
                              model)
     settings = {"temperature": 0, "max_tokens": OUTPUT_TOKENS[args.mode]}
     seed = time.time_ns() % (1 << 32)

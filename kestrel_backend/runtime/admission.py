@@ -38,7 +38,7 @@ class PrefixAhead:
 
 
 class Admission:
-    def admit(self, ahead: bool = False) -> list[Sequence]:
+    def admit(self) -> list[Sequence]:
         """Waiting sequences into the batch, in arrival order, while slots, pages and the step's budget last. A
         sequence whose image prefix another one prefills in this step waits for the next step, which reads that
         prefix from the prefix cache (questions on one image arrive together: admitted together, each would
@@ -46,13 +46,10 @@ class Admission:
         running sequences' next tokens wait for the whole step's encodes and prefills. A sequence taking its last
         token (max_tokens) in this step gives its slot up now: the next request prefills in the same step, rather
         than in a step of its own after the GPU waited for the host to read that token and admit it. With
-        admit_group, while more wait than there are free slots, none is admitted until that many slots are free.
-        ahead: for the step after this one, admitted before this one's tokens are read (a mixed step launched ahead):
-        the sequences taking their last token in this step are gone then, those taking it in the next one give
-        their slots up."""
+        admit_group, while more wait than there are free slots, none is admitted until that many slots are free."""
         new, deferred, prefilling, encoding = [], [], set(), set()
-        spent, encodes_ahead = 0, self._encodes_ahead()
-        leaving = sum(not seq.generation.may_continue_after(2 if ahead else 1) for seq in self.running)
+        spent, ahead = 0, self._encodes_ahead()
+        leaving = sum(not seq.generation.may_continue_after_next_token() for seq in self.running)
         if self.step_ahead is not None and leaving < len(self.running) and any(
                 seq.id in self.step_ahead[0] for seq in self.running):
             # this step's decode was launched last step: requests join the next one, in its prefill forward (mixed),
@@ -76,7 +73,7 @@ class Admission:
             shared = self.prefixes.lookup(keys)
             prefix_cached = len(shared) >= self._prefix_pages
             if seq.image_key is not None and not prefix_cached and seq.prefix_key in prefilling or \
-                    encodes_ahead and self._needs_encode(seq):
+                    ahead and self._needs_encode(seq):
                 deferred.append(self.waiting.popleft())  # (its image is encoded ahead in this step: see below)
                 continue
             cost = self._prefill_cost(seq, len(shared), encoding)

@@ -341,12 +341,11 @@ class HostTokens:
     def __init__(self, n: int):
         self.pinned = torch.zeros(n, dtype=torch.int32, pin_memory=True)
         self._written = torch.cuda.Event()
-        self._n, self.on_device = 0, None
+        self._n = 0
 
-    def after_step(self, n: int, on_device: torch.Tensor) -> "HostTokens":
-        """Mark the step just launched as the one whose first n tokens tolist() returns; on_device: where that step
-        chose them (a step launched ahead may take them)."""
-        self._n, self.on_device = n, on_device
+    def after_step(self, n: int) -> "HostTokens":
+        """Mark the step just launched as the one whose first n tokens tolist() returns."""
+        self._n = n
         self._written.record()
         return self
 
@@ -478,7 +477,7 @@ class CudaGraphDecoder:
         if not lora:
             self._parity = parity
             if fits:
-                greedy = self._greedy_host[parity].after_step(n, self.greedy[parity, :n])
+                greedy = self._greedy_host[parity].after_step(n)
         return self.logits[:n], self.hidden[:n], greedy
 
     def feed_back(self, tokens: torch.Tensor) -> None:

@@ -50,7 +50,7 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
     def __init__(self, model: Moondream, cache: PagedKVCache, image_cache: ImageCache, max_batch_size: int,
                  decoder=None, prefill_graphs=None, prefix_cache_size: int = 0, crop_encoder=None, adapters=None,
                  max_step_tokens: int = 0, admit_group: int = 0, mixed_steps: bool = False, prefix_ahead: int = 0,
-                 batch_step_tokens: int = 0, vision_stream=None, mixed_ahead: bool = False):
+                 batch_step_tokens: int = 0, vision_stream=None):
         self.model = model
         self.cache = cache
         self.images = image_cache
@@ -65,12 +65,6 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
         # (eager or a prefill graph) instead of a decode forward (graph) after it: every weight (every expert of a
         # mixture) is read once a step, not twice
         self.mixed_steps = mixed_steps
-        # A step that admits sequences is launched during the step before, its running rows' inputs that step's
-        # tokens on the device (StepRunner._launch_mixed_ahead): the GPU need not wait while the host reads, streams
-        # and admits between them
-        self.mixed_ahead = mixed_ahead
-        self.launched_mixed = None  # the mixed step launched ahead (step_runner.LaunchedMixed), or None
-        self.steps_mixed_ahead = 0  # steps that took a mixed step launched ahead
         # Under a backlog, once this many images of waiting requests are encoded and not in the prefix cache, a
         # step prefills their prefixes together into it (0: off): a prefill step reads every weight (every
         # expert) however few its rows, and otherwise each freed slot's image is prefilled in a step of its own
@@ -154,8 +148,7 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
         for seq in [s for s in list(self.waiting) + self.running if s.delivery.cancelled.is_set()]:
             self._end(seq, error=RequestCancelled("request cancelled"))
         t0 = time.perf_counter()  # (a new sequence's prefill time counts its image's encode, launched in admit)
-        launched, self.launched_mixed = self.launched_mixed, None
-        new = self.admit() if launched is None else [s for s in launched.new if s in self.running]
+        new = self.admit()
         decoding = [s for s in self.running if s not in new]
         batch = new + decoding
         if not decoding:
@@ -167,13 +160,9 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
             with torch.inference_mode():
                 if self.fault_injector:
                     self.fault_injector(batch)
+                self._prefixes_ahead(new, ahead)
                 outputs = []
-                if launched is not None:  # (its forward is on the GPU already; the rows it holds wrong decode below)
-                    taken, decoding = self._take_launched(launched, new, decoding)
-                    outputs.append(taken)
-                else:
-                    self._prefixes_ahead(new, ahead)
-                prefilling = launched is None and (new or ahead)
+                prefilling = new or ahead
                 mixed = prefilling and decoding and self.mixed_steps and self.step_ahead is None  # see mixed_steps
                 if prefilling:  # whole prompts (in a mixed step also the running sequences' inputs), prefixes ahead
                     seqs = batch if mixed else new
@@ -191,19 +180,16 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
                     outputs.append((decoding, *self._decode(decoding, launch_ahead=not new)))
                 picks = [launch_choice(logits, [seq.generation.choice() for seq in seqs], greedy)
                          for seqs, logits, _, greedy in outputs]
-                if prefilling and new and not mixed and self.decoder is not None and \
-                        self.may_launch_first_decode(new, decoding):
+                if new and not mixed and self.decoder is not None and self.may_launch_first_decode(new, decoding):
                     self._launch_first_decode(new, picks[0])
-                self._launch_mixed_ahead(outputs, picks)
                 t2 = time.perf_counter()
                 self._prepare_next_step()  # (on the GPU after this step's work, while the tokens are read)
                 chosen = [tokens.tolist() for tokens in picks]
                 t3 = time.perf_counter()
                 for a in ahead:  # (each prefix its share of the step)
                     a.first.prefilled_ahead_ms += (t3 - t0) * 1000 / len(ahead)
-                admitted = t0 if launched is None else launched.admitted
                 for seq in new:  # until its first token is chosen (and its image's encode and prefix, if done ahead)
-                    seq.prefill_ms = ((t3 - admitted) * 1000 + (seq.encoded_ahead.ms() if seq.encoded_ahead else 0.0)
+                    seq.prefill_ms = ((t3 - t0) * 1000 + (seq.encoded_ahead.ms() if seq.encoded_ahead else 0.0)
                                       + seq.prefilled_ahead_ms)
                 self.chosen = {}
                 for (seqs, _, hidden, _), tokens in zip(outputs, chosen):
@@ -217,9 +203,6 @@ class Scheduler(Admission, ImageFeed, StepRunner, ResultShaping):
         except Exception as e:  # fail this step's requests only; the engine keeps serving
             log.exception("engine step failed")
             self.step_ahead = None
-            if self.launched_mixed is not None:  # (launched in this step: its sequences fail with it)
-                batch += self.launched_mixed.new
-                self.launched_mixed = None
             self.consecutive_failures += 1
             for seq in batch:
                 self._end(seq, error=EngineError(f"inference step failed: {type(e).__name__}: {e}"))

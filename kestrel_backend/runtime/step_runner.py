@@ -1,26 +1,18 @@
 """The forwards of a step, which run the model: a flat forward over whole prompts (and, in a mixed step, the
 running sequences' inputs and prefixes prefilled ahead), through a prefill graph or eagerly; the decode forward
-(CUDA graphs on a GPU), and the decode or mixed step launched ahead of the host reading its inputs. A part of the
-Scheduler (see scheduler.py)."""
+(CUDA graphs on a GPU), and the decode step launched ahead of the host reading its inputs. A part of the Scheduler
+(see scheduler.py)."""
 
 from __future__ import annotations
-
-import logging
-import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..errors import EngineError
-from ..model import text
 from ..model.layers import to_device
 from ..model.lora import LoraRows
 from .admission import PrefixAhead
 from .attention import SeqSlice
 from .sequence import Sequence
-
-log = logging.getLogger("kestrel.scheduler")
 
 # Prefill steps that run eagerly (longer than the prefill graphs, or with adapters) are padded to a multiple of this
 # many rows, and every such row count past the graphs' longest up to the step budget runs once at start-up
@@ -39,23 +31,6 @@ class RowsOf:
     def tolist(self) -> list[int]:
         every = self.tokens.tolist()
         return [every[row] for row in self.rows]
-
-    @property
-    def on_device(self) -> torch.Tensor:
-        every = self.tokens.on_device
-        return every.index_select(0, to_device(self.rows, torch.long, every.device))
-
-
-@dataclass
-class LaunchedMixed:
-    """A mixed step launched before the host read the tokens of the step before (StepRunner._launch_mixed_ahead):
-    the prompts of `new`, then one row of each running sequence in `rows` (its id and position), whose input was
-    that step's token for it, taken on the device."""
-    new: list[Sequence]
-    rows: list[tuple[int, int]]
-    logits: torch.Tensor  # [len(new) + len(rows), V]
-    hidden: torch.Tensor
-    admitted: float  # time.perf_counter() when new were admitted (their prefill time counts from there)
 
 
 class StepRunner:
@@ -145,62 +120,6 @@ class StepRunner:
         self._launch_ahead([s.id for s in new], [s.length for s in new],
                            [s.generation.banned_after_next_token() for s in new])
 
-    def _launch_mixed_ahead(self, outputs, picks) -> None:
-        """Admit the next step's sequences now and launch its forward (mixed_ahead): their prompts and the next row
-        of every sequence this step's token does not end, whose input is that token, taken on the device. The GPU
-        then runs on from this step into the next one while the host reads the tokens, streams them and admits,
-        instead of waiting for it. Only when those rows are predictable (greedy text) and nothing else is launched
-        ahead; the next step takes the rows that came out as guessed (_take_launched). A failure here ends the
-        sequences just admitted only."""
-        if not (self.mixed_ahead and self.waiting) or self.step_ahead is not None:
-            return
-        rows = [seq for seqs, *_ in outputs for seq in seqs]  # (in the order of picks' tokens, joined)
-        staying = [row for row, seq in enumerate(rows) if seq.generation.may_continue_after_next_token()]
-        decoding = [rows[row] for row in staying]
-        if not self.predictable(decoding, [seq.generation.choice() for seq in decoding]):
-            return
-        admitted = time.perf_counter()
-        new = self.admit(ahead=True)
-        if not new:
-            return
-        try:
-            fed_back = None
-            if decoding:
-                tokens = torch.cat([p.on_device.long() for p in picks])
-                ids = tokens.index_select(0, to_device(staying, torch.long, tokens.device))
-                fed_back = text.embed_tokens(ids, self.model.weights.text)
-            logits, hidden = self.forward_flat(new, decoding, fed_back=fed_back)
-            self.keep_prefixes(new)
-        except Exception as e:
-            log.exception("launching a mixed step ahead failed")
-            for seq in new:
-                self._end(seq, error=EngineError(f"inference step failed: {type(e).__name__}: {e}"))
-            return
-        self.launched_mixed = LaunchedMixed(new, [(seq.id, seq.length) for seq in decoding], logits, hidden, admitted)
-
-    def _take_launched(self, launched: LaunchedMixed, new: list[Sequence], decoding: list[Sequence]):
-        """This step's outputs from the mixed step launched last step: -> ((its sequences still running, their logits,
-        hidden, None), the running sequences it holds no right row for). A row is right when its input was the
-        token the sequence then took (a cancelled or ended sequence's row is dropped: its cache writes land in pages
-        given back). Those wrong run in a decode step of their own, rewriting the cache slots the rows wrote."""
-        position = {seq_id: (row, pos) for row, (seq_id, pos) in enumerate(launched.rows, start=len(launched.new))}
-        right = [s for s in decoding if position.get(s.id, (None, None))[1] == s.length and
-                 isinstance(s.next_input, int) and s.next_input == self.chosen.get(s.id)]
-        wrong = [s for s in decoding if s not in right]
-        rows = [launched.new.index(s) for s in new] + [position[s.id][0] for s in right]
-        for seq in right:
-            seq.length += 1
-        self.steps_mixed += bool(launched.rows)
-        self.steps_mixed_ahead += 1
-        logits, hidden = launched.logits, launched.hidden
-        if rows != list(range(len(logits))):
-            index = to_device(rows, torch.long, logits.device)
-            logits, hidden = logits.index_select(0, index), hidden.index_select(0, index)
-        staying = [s for s in new + right if s.generation.may_continue_after_next_token()]
-        if self.decoder is not None and staying and not wrong:  # (the next step's rows, unless some end early)
-            self.decoder.prepare([s.id for s in staying], [s.length for s in staying])
-        return (new + right, logits, hidden, None), wrong
-
     @staticmethod
     def predictable(seqs: list[Sequence], choices) -> bool:
         """Whether the next step's inputs are this step's tokens, with the same bans: every sequence
@@ -211,18 +130,16 @@ class StepRunner:
                    and s.generation.may_continue_after_next_token() for s, c in zip(seqs, choices))
 
     def forward_flat(self, prefilling: list[Sequence], decoding: list[Sequence] = (),
-                     ahead: list[PrefixAhead] = (), fed_back: torch.Tensor | None = None):
+                      ahead: list[PrefixAhead] = ()):
         """One forward over a flat token list through self.attention: the whole prompts of `prefilling` (from the
         first position not in the cache yet), then one input of each of `decoding`, then the image prefixes of
-        `ahead`. -> (logits, last hidden) of each sequence of prefilling and decoding, in that order. fed_back:
-        decoding's inputs [n, dim] in place of their next_input, in a step launched ahead (whose taking advances
-        their lengths: _take_launched)."""
+        `ahead`. -> (logits, last hidden) of each sequence of prefilling and decoding, in that order."""
         m, pieces = self.model, []
         for seq in prefilling:
             x = m.embed_prompt(seq.token_ids, seq.prompt_overrides)
             pieces.append((torch.cat([seq.next_input, x], dim=0) if seq.prefix_len else x)[seq.length:])
         if decoding:
-            pieces += list((self._inputs(decoding) if fed_back is None else fed_back)[:, None, :])
+            pieces += list(self._inputs(decoding)[:, None, :])
         pieces += [a.inputs for a in ahead]
         seqs, prefill = list(prefilling) + list(decoding), bool(prefilling or ahead)
         spans = [(s.id, s.length, s.prefix_len, s.blocks) for s in seqs] + [(a.id, 0, a.prefix_len, ()) for a in ahead]
@@ -234,7 +151,7 @@ class StepRunner:
             slices.append(SeqSlice(seq_id, start, start + len(x), first, prefix_len, positions[start:start + len(x)],
                                    blocks))
             start += len(x)
-        for seq, x in zip(seqs[:len(prefilling)] if fed_back is not None else seqs, pieces):
+        for seq, x in zip(seqs, pieces):
             seq.length += len(x)
         x = torch.cat(pieces)
         lora = LoraRows.of([s.adapter for s in seqs] + [None] * len(ahead), [len(p) for p in pieces])

@@ -50,10 +50,6 @@ class Generation:
     def may_continue_after_next_token(self) -> bool:
         """Whether a step after the one choosing the next token can be needed (False: that token is the last one
         max_tokens allows, so a step launched ahead for it would be wasted)."""
-        return self.may_continue_after(1)
-
-    def may_continue_after(self, tokens: int) -> bool:
-        """Whether a step after the one choosing the tokens-th token from now can be needed (max_tokens allows more)."""
         return True
 
     def banned_after_next_token(self) -> tuple[int, ...]:
@@ -90,8 +86,8 @@ class TextGeneration(Generation):
     def _banned(self, steps: int) -> tuple[int, ...]:
         return (self.tok.answer_id,) if steps or self.tok.answer_marker_banned_from_start else ()
 
-    def may_continue_after(self, tokens: int) -> bool:
-        return len(self.tokens) + tokens < self.settings.max_tokens
+    def may_continue_after_next_token(self) -> bool:
+        return len(self.tokens) + 1 < self.settings.max_tokens
 
     def banned_after_next_token(self) -> tuple[int, ...]:
         return self._banned(self._steps + 1)

@@ -47,7 +47,7 @@ class TokensToHost:
 
     def __init__(self, tokens: torch.Tensor):
         self._ready = None
-        self.on_device = tokens  # (on the engine's device: a step launched ahead may take them)
+        self.on_device = tokens if tokens.is_cuda else None  # (a decode step launched ahead may take them)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             tokens = host.copy_(tokens, non_blocking=True)
