@@ -160,11 +160,10 @@ GEMV_MAX_ROWS = 2  # up to here, streaming the weight through plain loads beats 
 PDL_ENABLED = True  # programmatic dependent launch where the GPU has it (benchmarks compare without)
 ONE_KERNEL_KV_BLOCK = 64  # cached positions per block in the one kernel's attention (decode_variants compares)
 ATTENTION_KV_BLOCK = 128  # the same in the attention kernel of its own: its first block, loaded before the PDL wait,
-#                           then holds a short context whole (H100, benchmarks/ab_code.py against 64, steps of 2 / 64
-#                           sequences: 1.293 / 2.149 ms against 1.343 / 2.243 at context 64, 1.458 / 5.828 against
-#                           1.518 / 5.811 at 800; with 8 warps slower; H200, 64 and 2 warps: whole steps up to 6%
-#                           slower, PERFORMANCE.md). The one kernel's stays 64: 128 there takes 167 registers a
-#                           thread instead of 128 (ptxas), and fewer programs fit on an SM.
+#   then holds a short context whole (H100, benchmarks/ab_code.py against 64, steps of 2 / 64 sequences: 1.293 / 2.149
+#   ms against 1.343 / 2.243 at context 64, 1.458 / 5.828 against 1.518 / 5.811 at 800; 8 warps slower; H200, 64 and 2
+#   warps: whole steps up to 6% slower, PERFORMANCE.md). The one kernel's stays 64: 128 there takes 167 registers a
+#   thread instead of 128 (ptxas), and fewer programs fit on an SM.
 # fc1 programs launched between the one kernel's qkv and attention programs: fewer attention programs then
 # hold an SM while they wait for their head's qkv (H100, one sequence, 8 splits at 800 tokens, interleaved A/B:
 # 0 / 64 / 128 / 192 / 256 -> 1.138 / 1.129 / 1.124 / 1.118 / 1.166 ms; 128 keeps clear of that cliff)
