@@ -46,6 +46,14 @@ def _check_against_golden(engine, case, result):
         assert result.metrics["output_tokens"] == expected_out
 
 
+def on_engine_loop(engine, fn):
+    """fn() run on the engine's loop, where no step runs while it does (it has no await): a test that changes the
+    scheduler's queues there races no step, which from the test's own thread could start in between."""
+    async def call():
+        return fn()
+    return asyncio.run_coroutine_threadsafe(call(), engine.loop).result(timeout=60)
+
+
 def test_batched_equals_alone_equals_golden(engine, tiny_dir, golden):
     async def alone():
         return [await parity.submit_case(engine, tiny_dir, c) for c in golden]
@@ -556,13 +564,16 @@ def test_an_encode_ahead_counts_in_the_prefill_time_of_the_request_that_needed_i
 
     holding = waiting(engine.model.encode_cropped([engine.crop_image(image)])[0], None)
     needing = waiting(None, engine.crop_image(image))
-    s.waiting.extend([holding, needing])  # (the engine is idle: nothing else reads the queue now)
-    try:
-        with torch.inference_mode():
-            s.encode_ahead()
-        assert key in s.images and needing.encoded_ahead is not None and holding.encoded_ahead is None
-    finally:
-        s.waiting.clear()
+
+    def encode_ahead():
+        s.waiting.extend([holding, needing])
+        try:
+            with torch.inference_mode():
+                s.encode_ahead()
+        finally:
+            s.waiting.clear()
+    on_engine_loop(engine, encode_ahead)
+    assert key in s.images and needing.encoded_ahead is not None and holding.encoded_ahead is None
 
 
 def test_a_burst_on_one_new_image_decodes_it_once_and_survives_a_cancel(engine, monkeypatch):
@@ -805,42 +816,46 @@ def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back
         ids, positions = [seq.id for seq in running], [seq.length for seq in running]
         return s.launched_ahead(running, ids, positions, [()] * len(running))
 
-    dropped = s.steps_ahead["dropped"]
-    try:
-        launch()
-        assert use(seqs)[0] is None and use(seqs) == (None, None)  # whole, then gone
-        launch()
-        s.running = seqs
-        s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))
-        assert s.admit() == [] and list(s.waiting)[0].id == 200  # (held back while the step is in flight)
-        text = [TextGeneration(engine.model.config.tokenizer, Settings.from_dict({"temperature": 0, "max_tokens": 9}))
-                for _ in seqs]
-        for seq, gen in zip(seqs, text):  # every running sequence takes its last (9th) token in the step in flight:
-            seq.generation, gen.tokens = gen, [1] * 8  # no step after it to join, so the waiting request is admitted
-        admitted = s.admit()  # now (its prefill runs right after that step on the GPU)
-        assert [seq.id for seq in admitted] == [200] and not s.waiting
-        assert [seq.id for seq in s.running] == [100, 101, 102, 200]
-        s.running.remove(admitted[0])  # (s.running is seqs)
-        s.cache.free(200)
-        s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))  # (waiting again)
-        for gen in text:
-            gen.tokens = []
-        for seq, gen in zip(seqs, text):
-            seq.generation = gen
-        choices = [seq.generation.choice() for seq in seqs]
-        assert s.predictable(seqs, choices) and not s.may_launch_ahead(seqs, choices)  # (a slot is free for it)
-        s.max_batch_size, full = len(seqs), s.max_batch_size
+    def checks():
+        dropped = s.steps_ahead["dropped"]
         try:
-            assert s.may_launch_ahead(seqs, choices)  # (every slot taken: it waits anyway)
+            launch()
+            assert use(seqs)[0] is None and use(seqs) == (None, None)  # whole, then gone
+            launch()
+            s.running = seqs
+            s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))
+            assert s.admit() == [] and list(s.waiting)[0].id == 200  # (held back while the step is in flight)
+            settings = Settings.from_dict({"temperature": 0, "max_tokens": 9})
+            text = [TextGeneration(engine.model.config.tokenizer, settings) for _ in seqs]
+            for seq, gen in zip(seqs, text):  # every running sequence takes its last (9th) token in the step in
+                seq.generation, gen.tokens = gen, [1] * 8  # flight: no step after it to join, so the waiting request
+                # is admitted
+            admitted = s.admit()  # now (its prefill runs right after that step on the GPU)
+            assert [seq.id for seq in admitted] == [200] and not s.waiting
+            assert [seq.id for seq in s.running] == [100, 101, 102, 200]
+            s.running.remove(admitted[0])  # (s.running is seqs)
+            s.cache.free(200)
+            s.waiting.append(Sequence(200, "query", [0], Generation(), None, capacity=64))  # (waiting again)
+            for gen in text:
+                gen.tokens = []
+            for seq, gen in zip(seqs, text):
+                seq.generation = gen
+            choices = [seq.generation.choice() for seq in seqs]
+            assert s.predictable(seqs, choices) and not s.may_launch_ahead(seqs, choices)  # (a slot is free for it)
+            s.max_batch_size, full = len(seqs), s.max_batch_size
+            try:
+                assert s.may_launch_ahead(seqs, choices)  # (every slot taken: it waits anyway)
+            finally:
+                s.max_batch_size = full
+            rows, (lg, hd, greedy) = use([seqs[0], seqs[2]])  # the middle one ended
+            assert rows == [0, 2] and lg[:, 0].tolist() == hd[:, 0].tolist() == [0.0, 2.0]
+            assert greedy.tolist() == [7, 9]
+            launch(positions=(10, 11, 13))  # a position differs: dropped
+            assert use(seqs) == (None, None) and s.steps_ahead["dropped"] == dropped + 1
         finally:
-            s.max_batch_size = full
-        rows, (lg, hd, greedy) = use([seqs[0], seqs[2]])  # the middle one ended
-        assert rows == [0, 2] and lg[:, 0].tolist() == hd[:, 0].tolist() == [0.0, 2.0] and greedy.tolist() == [7, 9]
-        launch(positions=(10, 11, 13))  # a position differs: dropped
-        assert use(seqs) == (None, None) and s.steps_ahead["dropped"] == dropped + 1
-    finally:
-        s.step_ahead, s.running, s.chosen = None, [], {}
-        s.waiting.clear()
+            s.step_ahead, s.running, s.chosen = None, [], {}
+            s.waiting.clear()
+    on_engine_loop(engine, checks)
 
 
 def test_a_lone_prefills_first_decode_step_is_launched_behind_it_when_the_next_step_decodes_exactly_it(engine):
@@ -865,7 +880,7 @@ def test_a_lone_prefills_first_decode_step_is_launched_behind_it_when_the_next_s
     new, leaving, staying = text_seq(1, 30), text_seq(2, 30, tokens_so_far=29), text_seq(3, 30, tokens_so_far=5)
     adapter = asyncio.run_coroutine_threadsafe(engine.adapters.acquire("r4"), engine.loop).result(timeout=60)
 
-    async def checks():  # on the engine's loop, without an await: no step runs while the placeholder waits
+    def checks():  # (no step runs while the placeholder waits)
         slots = s.max_batch_size
         try:
             assert s.may_launch_first_decode([new], [leaving]) and s.may_launch_first_decode([new], [])
@@ -883,7 +898,7 @@ def test_a_lone_prefills_first_decode_step_is_launched_behind_it_when_the_next_s
             s.waiting.clear()
 
     try:
-        asyncio.run_coroutine_threadsafe(checks(), engine.loop).result(timeout=60)
+        on_engine_loop(engine, checks)
     finally:
         engine.adapters.release(adapter)
     banned = new.generation.banned_after_next_token()
@@ -1356,17 +1371,19 @@ def test_batch_lines_join_smaller_steps_while_people_are_about(engine):
         s.waiting.clear()
         return admitted, left
 
-    saved = s.batch_step_tokens, s.person_seen
-    try:
-        s.batch_step_tokens, s.person_seen = 60, float("-inf")
-        assert admit(300) == ([300, 301, 302], [])
-        s.person_seen = time.monotonic()
-        assert admit(310) == ([310], [311, 312])
-        assert admit(320, batch=False) == ([320, 321, 322], [])
-        s.person_seen = time.monotonic() - PEOPLE_ABOUT_S
-        assert admit(330) == ([330, 331, 332], [])
-    finally:
-        s.batch_step_tokens, s.person_seen = saved
+    def checks():
+        saved = s.batch_step_tokens, s.person_seen
+        try:
+            s.batch_step_tokens, s.person_seen = 60, float("-inf")
+            assert admit(300) == ([300, 301, 302], [])
+            s.person_seen = time.monotonic()
+            assert admit(310) == ([310], [311, 312])
+            assert admit(320, batch=False) == ([320, 321, 322], [])
+            s.person_seen = time.monotonic() - PEOPLE_ABOUT_S
+            assert admit(330) == ([330, 331, 332], [])
+        finally:
+            s.batch_step_tokens, s.person_seen = saved
+    on_engine_loop(engine, checks)
 
 
 def test_a_step_that_encodes_a_persons_image_ahead_admits_no_batch_line(engine):
@@ -1381,18 +1398,21 @@ def test_a_step_that_encodes_a_persons_image_ahead_admits_no_batch_line(engine):
                         cropped=(image, (1, 1)) if key else None)
 
     running = seq(400, True)
-    saved = s.max_step_tokens, list(s.running)
-    try:
-        s.max_step_tokens = 16384
-        s.cache.allocate(running.id, running.capacity)
-        s.running.append(running)
-        s.waiting.extend([seq(401, False, "a person's image"), seq(402, True), seq(403, True)])
-        assert s.admit() == [] and [q.id for q in s.waiting] == [401, 402, 403]
-        s.waiting.popleft()
-        assert [q.id for q in s.admit()] == [402, 403]
-    finally:
-        for q in [q for q in s.running if q.id in (400, 402, 403)]:
-            s.running.remove(q)
-            s.cache.free(q.id)
-        s.waiting.clear()
-        s.max_step_tokens = saved[0]
+
+    def checks():
+        saved = s.max_step_tokens
+        try:
+            s.max_step_tokens = 16384
+            s.cache.allocate(running.id, running.capacity)
+            s.running.append(running)
+            s.waiting.extend([seq(401, False, "a person's image"), seq(402, True), seq(403, True)])
+            assert s.admit() == [] and [q.id for q in s.waiting] == [401, 402, 403]
+            s.waiting.popleft()
+            assert [q.id for q in s.admit()] == [402, 403]
+        finally:
+            for q in [q for q in s.running if q.id in (400, 402, 403)]:
+                s.running.remove(q)
+                s.cache.free(q.id)
+            s.waiting.clear()
+            s.max_step_tokens = saved
+    on_engine_loop(engine, checks)
