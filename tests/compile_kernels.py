@@ -8,7 +8,8 @@ may differ from this one's. A cold compile (no Triton cache) of every variant ta
 on one CPU: sm90 gets every one, the others the bf16 ones at 1, 2 and 64 rows, the architectures in parallel, a
 process a CPU (sm90, the longest, first).
 
-A variant is named by Triton's own cache key (the kernel's source and what it calls, the signature, the constexprs,
+A variant is named by Triton's own cache key (the kernel's source and what it calls, with the lines they start on, so a
+comment that moves a kernel down its file changes its key; the signature, the constexprs,
 the options, the architecture, Triton's version and its cache-invalidating settings): the key of every variant that
 compiled is kept in fixtures/compiled_kernels.json with its shared memory, as Triton's cache would keep the cubin. A
 variant whose key is there is not compiled again (Triton's compile is a function of that key); a changed kernel, or
