@@ -54,6 +54,16 @@ def wait_until(condition, what: str, timeout: float = 120.0, poll: float = 0.05)
         time.sleep(poll)
 
 
+def on_engine_loop(engine, fn):
+    """fn() run on the engine's loop, where no step runs while it does (it has no await): a test that changes the
+    scheduler's queues there races no step, which from the test's own thread could start in between."""
+    import asyncio
+
+    async def call():
+        return fn()
+    return asyncio.run_coroutine_threadsafe(call(), engine.loop).result(timeout=60)
+
+
 def _free_port() -> int:
     import socket
 

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import on_engine_loop
 
 from kestrel_backend import parity
 from kestrel_backend.engine import (EngineDraining, EngineError, EngineOverloaded, InferenceEngine, InvalidRequest,
@@ -44,14 +45,6 @@ def _check_against_golden(engine, case, result):
     expected_out = len(case.get("tokens", [])) + len(case.get("reasoning_tokens", []))
     if case["kind"] in ("query", "caption", "chat"):
         assert result.metrics["output_tokens"] == expected_out
-
-
-def on_engine_loop(engine, fn):
-    """fn() run on the engine's loop, where no step runs while it does (it has no await): a test that changes the
-    scheduler's queues there races no step, which from the test's own thread could start in between."""
-    async def call():
-        return fn()
-    return asyncio.run_coroutine_threadsafe(call(), engine.loop).result(timeout=60)
 
 
 def test_batched_equals_alone_equals_golden(engine, tiny_dir, golden):
@@ -749,7 +742,7 @@ def test_a_request_from_the_engine_loop_waits_no_extra_steps(engine):
     """Triton's adapter runs its request coroutines on the engine loop. A request submitted there is admitted
     at the next step, and its first chunk reaches it right after the step that made it: no step is spent
     per hop between the request's coroutines (counted in steps, not time)."""
-    async def on_engine_loop():
+    async def from_the_loop():
         s = engine.scheduler
         busy = await engine.query(None, "keep the engine stepping", stream=True,
                                   settings={"temperature": 0, "max_tokens": 200})
@@ -765,7 +758,7 @@ def test_a_request_from_the_engine_loop_waits_no_extra_steps(engine):
         await asyncio.gather(busy.result(), stream.result(), return_exceptions=True)  # both gone
         return first - submitted, token_index
 
-    steps, token_index = asyncio.run_coroutine_threadsafe(on_engine_loop(), engine.loop).result(timeout=120)
+    steps, token_index = asyncio.run_coroutine_threadsafe(from_the_loop(), engine.loop).result(timeout=120)
     assert steps == 1 + token_index
 
 
@@ -827,9 +820,10 @@ def test_a_step_launched_ahead_serves_the_sequences_still_running_and_holds_back
             assert s.admit() == [] and list(s.waiting)[0].id == 200  # (held back while the step is in flight)
             settings = Settings.from_dict({"temperature": 0, "max_tokens": 9})
             text = [TextGeneration(engine.model.config.tokenizer, settings) for _ in seqs]
-            for seq, gen in zip(seqs, text):  # every running sequence takes its last (9th) token in the step in
-                seq.generation, gen.tokens = gen, [1] * 8  # flight: no step after it to join, so the waiting request
-                # is admitted
+            # every running sequence takes its last (9th) token in the step in flight: no step after it to join, so
+            # the waiting request is admitted
+            for seq, gen in zip(seqs, text):
+                seq.generation, gen.tokens = gen, [1] * 8
             admitted = s.admit()  # now (its prefill runs right after that step on the GPU)
             assert [seq.id for seq in admitted] == [200] and not s.waiting
             assert [seq.id for seq in s.running] == [100, 101, 102, 200]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import on_engine_loop
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined, so before the import below
 pytest.importorskip("triton")
@@ -409,9 +410,7 @@ def test_engine_prefill_steps_of_several_sequences_through_the_prefill_graphs(ti
         return [r.output for r in asyncio.run_coroutine_threadsafe(both(), eng.loop).result(timeout=120)]
 
     def forget_prefixes():  # (the images stay encoded: their requests enter the queue together, no decode between)
-        async def on_the_loop():
-            eng.scheduler.prefixes.reclaim(eng.kv.num_pages)
-        asyncio.run_coroutine_threadsafe(on_the_loop(), eng.loop).result(timeout=60)
+        on_engine_loop(eng, lambda: eng.scheduler.prefixes.reclaim(eng.kv.num_pages))
 
     try:
         ab, cd = (image(1), image(2)), (image(3), image(4))
